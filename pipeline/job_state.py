@@ -1,0 +1,95 @@
+"""What an output folder says about the job that writes it: _job.json, the live-job lease, committed shards.
+
+Resume reads this state: a shard is committed when both its data file and its stats part exist
+(the worker writes data first), so a shard interrupted between the two simply runs again and
+rewrites the same key.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+import uuid
+from importlib.metadata import version
+
+from pipeline.job_config import changed_keys, fingerprint
+from workers.config import JobConfig, redacted
+from workers.storage import exists, join, list_files, on_storage, read_bytes, write_bytes_atomic
+
+LEASE_TTL_S = 120.0
+
+
+class OutputConflict(RuntimeError):
+    """The output path belongs to another job (or a different config of this one)."""
+
+
+def versions() -> dict[str, str]:
+    names = ("torch", "transformers", "ray", "pyarrow", "fsspec", "specbatch")
+    return {"python": sys.version.split()[0], **{n: version(n) for n in names}}
+
+
+class JobState:
+    def __init__(self, config: JobConfig):
+        self.config = config
+        self.root, self.options = config.output.path, config.output.storage_options
+        self.run_id = uuid.uuid4().hex[:12]
+
+    def url(self, *parts: str) -> str:
+        return join(self.root, *parts)
+
+    def read_json(self, *parts: str) -> dict | None:
+        url = self.url(*parts)
+        return json.loads(read_bytes(url, self.options)) if exists(url, self.options) else None
+
+    def write_json(self, data: dict, *parts: str) -> None:
+        write_bytes_atomic(self.url(*parts), json.dumps(data, indent=2, default=str).encode(), self.options)
+
+    def claim(self, overwrite: bool) -> bool:
+        """Take the output path for this run; returns whether a previous run's shards may be resumed.
+
+        Refuses a path that a live job holds (fresh lease) or that holds another config's output,
+        unless `overwrite`, which clears the old output first.
+        """
+        lease = self.read_json("_LEASE.json")
+        if lease and time.time() - lease["heartbeat"] < LEASE_TTL_S:
+            raise OutputConflict(f"{self.root} is being written by a live job (run {lease['run_id']} on "
+                                 f"{lease['host']}, last seen {time.time() - lease['heartbeat']:.0f}s ago)")
+        manifest = self.read_json("_job.json")
+        if manifest and manifest["fingerprint"] != fingerprint(self.config):
+            if not overwrite:
+                changed = changed_keys(manifest["config"], redacted(self.config))
+                raise OutputConflict(f"{self.root} holds the output of a different config (changed: "
+                                     f"{', '.join(changed) or 'unknown'}); use another output path or --overwrite")
+        if overwrite and manifest:
+            self.clear()
+            manifest = None
+        self.heartbeat()
+        self.write_json({"name": self.config.name, "fingerprint": fingerprint(self.config),
+                         "config": redacted(self.config), "versions": versions(),
+                         "started": (manifest or {}).get("started", time.time()), "run_id": self.run_id}, "_job.json")
+        return manifest is not None
+
+    def clear(self) -> None:
+        for part in ("data", "stats", "summary.json", "_SUCCESS", "_job.json"):
+            url = self.url(part)
+            if exists(url, self.options):
+                on_storage(url, self.options, lambda fs, path: fs.rm(path, recursive=True), "delete")
+
+    def heartbeat(self) -> None:
+        self.write_json({"run_id": self.run_id, "host": platform.node(), "heartbeat": time.time()}, "_LEASE.json")
+
+    def release(self) -> None:
+        url = self.url("_LEASE.json")
+        if exists(url, self.options):
+            on_storage(url, self.options, lambda fs, path: fs.rm(path), "delete")
+
+    def committed(self) -> dict[str, dict]:
+        """Stats of every committed shard (data file and stats part both present), by shard id."""
+        data = {u.rsplit("/", 1)[-1].removesuffix(".parquet") for u in list_files(self.url("data"), self.options, [".parquet"])}
+        parts = {}
+        for url in list_files(self.url("stats", "parts"), self.options, [".json"]):
+            shard_id = url.rsplit("/", 1)[-1].removesuffix(".json")
+            if shard_id in data:
+                parts[shard_id] = json.loads(read_bytes(url, self.options))
+        return parts

@@ -1,0 +1,28 @@
+"""The Ray actor: loads the models once, then runs whatever shards the driver hands it."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from workers.config import JobConfig
+from workers.shard_io import ShardSpec
+from workers.shard_runner import ShardRunner
+
+
+class GenerationWorker:
+    """Plain class; the driver wraps it with ray.remote and explicit resources."""
+
+    def __init__(self, config: dict, worker_id: str, cpus: float):
+        torch.set_num_threads(max(1, math.ceil(cpus)))  # cpus_per_worker is this worker's torch thread count
+        self.runner = ShardRunner(JobConfig.model_validate(config), worker_id)
+
+    def run_shard(self, spec: ShardSpec, attempt: int) -> dict:
+        return self.runner.run(spec, attempt)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def device(self) -> str:
+        return str(self.runner.device)

@@ -1,0 +1,183 @@
+"""Run one shard: read its rows, tokenize, generate, write its Parquet, return its statistics.
+
+Plain Python (no Ray) so that the benchmark and the tests can drive exactly what a worker actor runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import resource
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from workers.config import JobConfig
+from workers.controller import AdaptiveK, Controller, FixedK
+from workers.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from workers.generator import Completion, GenerationSettings, GenerationStats, Request, SpeculativeGenerator
+from workers.models import load_model, load_tokenizer
+from workers.sampling import SamplingParams
+from workers.schemas import output_schema
+from workers.shard_io import InputRow, ShardSpec, read_shard, write_shard_output
+from workers.storage import join, write_bytes_atomic
+
+
+def row_seed(job_seed: int, row_id: str, sample_index: int) -> int:
+    """A 63-bit seed from the job seed, row id and sample index: stable across processes and machines."""
+    digest = hashlib.blake2b(f"{job_seed}\x00{row_id}\x00{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass
+class Models:
+    target: torch.nn.Module
+    tokenizer: object
+    draft: torch.nn.Module | None
+
+
+def load_models(config: JobConfig, device: torch.device) -> Models:
+    m, options = config.model, config.input.storage_options
+    target = load_model(m.target, m.dtype, device, options, m.trust_remote_code)
+    tokenizer = load_tokenizer(m.target, options, m.trust_remote_code)
+    draft = None
+    if m.drafter == "model":
+        draft = load_model(m.draft, m.dtype, device, options, m.trust_remote_code)
+        draft_tokenizer = load_tokenizer(m.draft, options, m.trust_remote_code)
+        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"draft model {m.draft} does not share the target's tokenizer ({m.target})")
+    return Models(target, tokenizer, draft)
+
+
+def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
+    g, s = config.generation, config.speculation
+    sampling = SamplingParams(g.temperature, g.top_k, g.top_p)
+    max_k = s.max_k if s.k == "adaptive" else int(s.k)
+    drafter: Drafter = {"none": NoDrafter, "ngram": lambda: NgramDrafter(s.ngram_size),
+                        "model": lambda: ModelDrafter(models.draft, sampling)}[config.model.drafter]()
+    controller: Controller = AdaptiveK(max_k, config.resources.batch_size) if s.k == "adaptive" else FixedK(int(s.k))
+    settings = GenerationSettings(g.max_new_tokens, sampling, tuple(g.stop), config.resources.batch_size, max_k,
+                                  config.input.overlong)
+    return SpeculativeGenerator(models.target, models.tokenizer, drafter, controller, settings)
+
+
+class ShardRunner:
+    """Holds the models once; turns shard specs into committed output files and stats rows."""
+
+    def __init__(self, config: JobConfig, worker_id: str = "local", models: Models | None = None):
+        self.config, self.worker_id = config, worker_id
+        self.device = pick_device()
+        self.models = models or load_models(config, self.device)
+        self.generator = make_generator(config, self.models)
+        if config.generation.chat_template and not getattr(self.models.tokenizer, "chat_template", None):
+            raise ValueError(f"model {config.model.target} has no chat template; set generation.chat_template: false")
+
+    def _encode(self, row: InputRow) -> list[int]:
+        tok = self.models.tokenizer
+        if row.messages is not None:
+            return list(tok.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"])
+        if self.config.generation.chat_template:
+            return self._encode(InputRow(row.id, None, [{"role": "user", "content": row.prompt}]))
+        return tok(row.prompt, add_special_tokens=True)["input_ids"]
+
+    def _requests(self, rows: list[InputRow]) -> tuple[list[Request], list[tuple[InputRow, int, int, str | None]]]:
+        """One request per (row, sample); rows that cannot run keep their error and no request."""
+        requests, slots, seen = [], [], {}
+        for row in rows:
+            error = row.error
+            if error is None and row.id in seen:
+                if self.config.input.duplicate_ids == "suffix":
+                    seen[row.id] += 1
+                    row.id = f"{row.id}#{seen[row.id]}"
+                else:
+                    error = f"duplicate id {row.id!r} in the input (set input.duplicate_ids: suffix to keep both)"
+            seen.setdefault(row.id, 0)
+            ids: list[int] = []
+            if error is None:
+                try:
+                    ids = self._encode(row)
+                except Exception as exc:  # a malformed chat for this tokenizer's template
+                    error = f"cannot tokenize row {row.id!r}: {type(exc).__name__}: {exc}"
+            for sample in range(self.config.generation.samples_per_prompt):
+                seed = row_seed(self.config.generation.seed, row.id, sample)
+                slots.append((row, sample, seed, error))
+                if error is None:
+                    requests.append(Request(f"{row.id}/{sample}", ids, seed))
+        return requests, slots
+
+    def run(self, spec: ShardSpec, attempt: int = 1) -> dict:
+        """Generate a shard, commit its output atomically, write its stats part, and return the stats row."""
+        started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        rows = read_shard(spec, self.config.input, self.config.output.keep_columns)
+        requests, slots = self._requests(rows)
+        before = _snapshot(self.generator.stats)
+        completions = iter(self.generator.generate(requests))
+        table = self._table(slots, completions)
+        out = self.config.output
+        write_shard_output(out.path, spec.shard_id, table, out.storage_options)
+        stats = self._stats(spec, before, table, time.perf_counter() - started, attempt)
+        write_bytes_atomic(join(out.path, "stats", "parts", f"{spec.shard_id}.json"),
+                           json.dumps(stats).encode(), out.storage_options)
+        return stats
+
+    def _table(self, slots, completions) -> pa.Table:
+        records = []
+        for row, sample, seed, error in slots:
+            done: Completion = Completion([], "", "error", error) if error else next(completions)
+            prompt = row.prompt if row.messages is None else json.dumps(row.messages, ensure_ascii=False)
+            records.append({"id": row.id, "sample_index": sample, "prompt": prompt,
+                            "completion": None if done.error else done.text,
+                            "completion_token_ids": done.token_ids, "completion_tokens": len(done.token_ids),
+                            "finish_reason": done.finish_reason, "error": done.error, "seed": seed,
+                            "prompt_tokens": done.prompt_tokens, **row.keep})
+        keep = self.config.output.keep_columns
+        keep_fields = [pa.field(c, pa.array([r[c] for r in records]).type if records else pa.null()) for c in keep]
+        return pa.Table.from_pylist(records, schema=output_schema(keep_fields))
+
+    def _stats(self, spec: ShardSpec, before: GenerationStats, table: pa.Table, wall: float, attempt: int) -> dict:
+        s = _delta(before, self.generator.stats)
+        failed = sum(1 for r in table.column("finish_reason").to_pylist() if r == "error")
+        return {
+            "shard_id": spec.shard_id, "worker_id": self.worker_id, "node": platform.node(),
+            "device": str(self.device), "rows": table.num_rows, "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens, "wall_s": wall,
+            "tokens_per_s": s.generated_tokens / wall if wall else 0.0,
+            "target_passes": s.target_passes, "draft_passes": s.draft_passes,
+            "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0,
+            "mean_accepted_per_pass": s.generated_tokens / s.target_passes if s.target_passes else 0.0,
+            "accept_by_position": [None if a != a else a for a in s.accept_by_position],
+            "k_hist": [int(c) for c in s.k_hist], "draft_s": s.draft_s, "verify_s": s.verify_s,
+            "peak_mem_bytes": _peak_memory(self.device), "attempt": attempt, "failed_rows": failed,
+        }
+
+
+def _snapshot(stats: GenerationStats) -> GenerationStats:
+    copy = GenerationStats(stats.max_k)
+    for name, value in vars(stats).items():
+        setattr(copy, name, value.copy() if hasattr(value, "copy") else value)
+    return copy
+
+
+def _delta(before: GenerationStats, after: GenerationStats) -> GenerationStats:
+    """The counters of one shard: the generator's running totals minus those before the shard."""
+    delta = GenerationStats(after.max_k)
+    for name, value in vars(after).items():
+        if name != "max_k":
+            setattr(delta, name, value - getattr(before, name))
+    return delta
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
