@@ -7,6 +7,7 @@ rewrites the same key.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -52,7 +53,7 @@ class JobState:
         unless `overwrite`, which clears the old output first.
         """
         lease = self.read_json("_LEASE.json")
-        if lease and time.time() - lease["heartbeat"] < LEASE_TTL_S:
+        if lease and _alive(lease):
             raise OutputConflict(f"{self.root} is being written by a live job (run {lease['run_id']} on "
                                  f"{lease['host']}, last seen {time.time() - lease['heartbeat']:.0f}s ago)")
         manifest = self.read_json("_job.json")
@@ -77,7 +78,8 @@ class JobState:
                 on_storage(url, self.options, lambda fs, path: fs.rm(path, recursive=True), "delete")
 
     def heartbeat(self) -> None:
-        self.write_json({"run_id": self.run_id, "host": platform.node(), "heartbeat": time.time()}, "_LEASE.json")
+        self.write_json({"run_id": self.run_id, "host": platform.node(), "pid": os.getpid(), "heartbeat": time.time()},
+                        "_LEASE.json")
 
     def release(self) -> None:
         url = self.url("_LEASE.json")
@@ -93,3 +95,18 @@ class JobState:
             if shard_id in data:
                 parts[shard_id] = json.loads(read_bytes(url, self.options))
         return parts
+
+
+def _alive(lease: dict) -> bool:
+    """A lease holds while its heartbeat is fresh, unless its driver ran on this host and is gone
+    (a killed driver must not block the rerun that resumes it)."""
+    if time.time() - lease["heartbeat"] >= LEASE_TTL_S:
+        return False
+    if lease.get("host") == platform.node() and lease.get("pid"):
+        try:
+            os.kill(lease["pid"], 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    return True

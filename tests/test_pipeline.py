@@ -1,0 +1,215 @@
+"""End to end: real local Ray, real S3 (moto server), tiny random models; every row exactly once."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+import torch
+
+from jobs.cli import main
+from pipeline.driver import run_job
+from pipeline.job_state import OutputConflict
+from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+from workers.config import JobConfig
+from workers.storage import filesystem, list_files, read_bytes
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    tokenizer = tiny_tokenizer()
+    return str(save_model_dir(tmp_path_factory.mktemp("tiny"), tiny_llama(len(tokenizer), dtype=torch.float32), tokenizer))
+
+
+def make_config(model_dir: str, input_path: str, output_path: str, **sections) -> JobConfig:
+    base = {
+        "name": "t",
+        "input": {"path": input_path},
+        "output": {"path": output_path},
+        "model": {"target": model_dir, "drafter": "ngram"},
+        "generation": {"max_new_tokens": 12},
+        "resources": {"workers": 1, "cpus_per_worker": 0.5, "batch_size": 4},
+        "sharding": {"rows_per_shard": 4},
+    }
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return JobConfig.model_validate(base)
+
+
+def read_output(config: JobConfig):
+    urls = list_files(config.output.path.rstrip("/") + "/data", config.output.storage_options, [".parquet"])
+    fs, _ = filesystem(config.output.path, config.output.storage_options)
+    tables = [pq.read_table(filesystem(u, config.output.storage_options)[1], filesystem=fs) for u in urls]
+    return [row for t in tables for row in t.to_pylist()]
+
+
+def assert_exactly_once(config: JobConfig, ids: list[str], samples: int = 1) -> list[dict]:
+    rows = read_output(config)
+    counts = collections.Counter(r["id"] for r in rows)
+    assert counts == {i: samples for i in ids}
+    for i in ids:
+        assert sorted(r["sample_index"] for r in rows if r["id"] == i) == list(range(samples))
+    assert read_bytes(config.output.path.rstrip("/") + "/_SUCCESS", config.output.storage_options) == b""
+    return rows
+
+
+def prompts(n: int, prefix: str = "p") -> list[dict]:
+    words = ["the quick brown fox", "rewrite this sentence", "def add(a, b)", "why is the sky blue"]
+    return [{"id": f"{prefix}{i}", "prompt": f"{words[i % 4]} {i}", "task": words[i % 4][:3]} for i in range(n)]
+
+
+def test_s3_to_s3_several_files_and_shards(model_dir, s3, write_input):
+    bucket = s3.make_bucket()
+    opts = s3.storage_options
+    sizes = {"a.parquet": 10, "b.parquet": 7, "c.jsonl": 5}
+    ids = []
+    for name, n in sizes.items():
+        rows = prompts(n, prefix=name[0])
+        ids += [r["id"] for r in rows]
+        write_input(f"{bucket}/in/{name}", rows, opts, row_group_size=3)
+    config = make_config(model_dir, f"{bucket}/in/", f"{bucket}/out/run1/",
+                         input={"storage_options": opts}, output={"storage_options": opts, "keep_columns": ["task"]},
+                         resources={"workers": 2})
+    summary = run_job(config, progress=False)
+    rows = assert_exactly_once(config, ids)
+    assert all(r["finish_reason"] in ("stop", "length") and r["error"] is None for r in rows)
+    assert all(r["completion_tokens"] == len(r["completion_token_ids"]) <= 12 for r in rows)
+    assert {r["task"] for r in rows} == {"the", "rew", "def", "why"}
+    assert summary["rows"] == len(ids) and summary["shards"] >= 6 and summary["failed_rows"] == 0
+    stats = pq.read_table(f"{bucket}/out/run1/stats/shards.parquet".removeprefix("s3://"),
+                          filesystem=filesystem(bucket, opts)[0]).to_pylist()
+    assert len(stats) == summary["shards"] and sum(s["rows"] for s in stats) == len(ids)
+    assert {s["worker_id"] for s in stats} <= {"worker-000", "worker-001"}
+    assert sum(s["generated_tokens"] for s in stats) == summary["generated_tokens"] == sum(r["completion_tokens"] for r in rows)
+    manifest = read_bytes(f"{bucket}/out/run1/_job.json", opts).decode()
+    assert "testing" not in manifest and json.loads(manifest)["config"]["input"]["storage_options"]["secret"] == "***"
+
+
+def test_jsonl_chat_input_with_samples(model_dir, tmp_path, write_input):
+    rows = [{"id": i, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"say {i}"}]}
+            for i in range(6)]
+    path = write_input(str(tmp_path / "chat.jsonl"), rows)
+    config = make_config(model_dir, path, str(tmp_path / "out"), input={"messages_column": "messages"},
+                         generation={"samples_per_prompt": 3, "temperature": 0.9, "seed": 7})
+    run_job(config, progress=False)
+    out = assert_exactly_once(config, [str(i) for i in range(6)], samples=3)
+    assert len({r["seed"] for r in out}) == 18
+    assert json.loads(out[0]["prompt"])[0]["role"] == "system"
+
+
+def test_cli_run_with_overrides(model_dir, tmp_path, write_input, capsys):
+    path = write_input(str(tmp_path / "in.parquet"), prompts(9))
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(f"name: cli\ninput: {{path: {path}}}\noutput: {{path: {tmp_path / 'wrong'}}}\n"
+                           f"model: {{target: {model_dir}}}\nresources: {{cpus_per_worker: 0.5}}\n")
+    out = tmp_path / "right"
+    code = main(["run", str(config_file), "--quiet", "--json", "--set", f"output.path={out}",
+                 "--set", "generation.max_new_tokens=5", "--set", "sharding.rows_per_shard=2",
+                 "--set", "speculation.k=3", "--set", "resources.batch_size=3"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["shards"] == 5 and summary["rows"] == 9
+    assert not (tmp_path / "wrong").exists()
+    rows = [r for f in sorted((out / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert len(rows) == 9 and max(r["completion_tokens"] for r in rows) <= 5
+    job = json.loads((out / "_job.json").read_text())
+    assert job["config"]["speculation"]["k"] == 3 and job["config"]["resources"]["batch_size"] == 3
+
+
+def test_cli_config_errors_name_every_bad_key(tmp_path, capsys):
+    config_file = tmp_path / "bad.yaml"
+    config_file.write_text("input: {path: x.jsonl, storage_options: {secret: hunter2}}\noutput: {path: o}\n"
+                           "model: {target: m, drafter: magic}\ngeneration: {temperature: -1, max_new_tokens: 0}\n"
+                           "speculaton: {k: 2}\n")
+    code = main(["run", str(config_file), "--set", "resources.batch_size=zero", "--set", "sharding.rows=3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    for key in ("model.drafter", "generation.temperature", "generation.max_new_tokens", "speculaton",
+                "resources.batch_size", "sharding.rows"):
+        assert key in err
+    assert "hunter2" not in err
+
+
+def test_resume_skips_committed_shards_and_refuses_changed_config(model_dir, tmp_path, write_input):
+    path = write_input(str(tmp_path / "in.jsonl"), prompts(12))
+    config = make_config(model_dir, path, str(tmp_path / "out"))
+    first = run_job(config, progress=False)
+    lost = sorted((tmp_path / "out" / "data").glob("*.parquet"))[1]
+    lost.unlink()
+    (tmp_path / "out" / "_SUCCESS").unlink()
+    again = run_job(config, progress=False)
+    assert again["shards_skipped"] == first["shards"] - 1 and again["shards"] == first["shards"]
+    assert_exactly_once(config, [f"p{i}" for i in range(12)])
+    changed = make_config(model_dir, path, str(tmp_path / "out"), generation={"max_new_tokens": 3})
+    with pytest.raises(OutputConflict, match="generation.max_new_tokens"):
+        run_job(changed, progress=False)
+    assert run_job(changed, overwrite=True, progress=False)["shards_skipped"] == 0
+
+
+def test_bad_rows_become_error_rows(model_dir, tmp_path):
+    lines = [json.dumps({"id": "ok1", "prompt": "the quick brown fox"}), json.dumps({"id": "null", "prompt": None}),
+             "{not json", json.dumps({"id": "empty", "prompt": "  "}), json.dumps({"id": "num", "prompt": 5}),
+             json.dumps({"id": "ok2", "prompt": "def add(a, b)"})]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    config = make_config(model_dir, str(path), str(tmp_path / "out"), sharding={"rows_per_shard": 100})
+    summary = run_job(config, progress=False)
+    rows = {r["id"]: r for r in read_output(config)}
+    assert len(rows) == 6 and summary["failed_rows"] == 4
+    assert rows["ok1"]["finish_reason"] != "error" and rows["ok2"]["finish_reason"] != "error"
+    for key in ("null", "empty", "num"):
+        assert rows[key]["finish_reason"] == "error" and rows[key]["error"]
+    bad_json = [r for k, r in rows.items() if k not in ("ok1", "ok2", "null", "empty", "num")][0]
+    assert "in.jsonl" in bad_json["error"]
+
+
+def _generating_worker_pids() -> list[int]:
+    """Worker actors of this test's Ray, caught inside run_shard (Ray titles the process by the method it runs)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if (proc.info["cmdline"] or [""])[0].startswith("ray::GenerationWorker.run_shard"):
+            found.append(proc.pid)
+    return found
+
+
+def test_worker_killed_mid_job_is_replaced_and_nothing_is_lost(model_dir, tmp_path, write_input):
+    path = write_input(str(tmp_path / "in.jsonl"), prompts(24))
+    config = make_config(model_dir, path, str(tmp_path / "out"), generation={"max_new_tokens": 48},
+                         speculation={"k": 0}, resources={"batch_size": 1}, sharding={"rows_per_shard": 6})
+    killed = []
+
+    def killer():
+        deadline = time.time() + 60
+        while time.time() < deadline and not killed:
+            done = list((tmp_path / "out" / "data").glob("*.parquet")) if (tmp_path / "out" / "data").exists() else []
+            pids = _generating_worker_pids() if done else []
+            if pids:
+                os.kill(pids[0], 9)
+                killed.append(pids[0])
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    run_job(config, progress=False)
+    thread.join()
+    assert killed, "the worker was never killed: the job finished too fast for this test"
+    assert_exactly_once(config, [f"p{i}" for i in range(24)])
+    stats = pq.read_table(tmp_path / "out" / "stats" / "shards.parquet").to_pylist()
+    assert max(s["attempt"] for s in stats) == 2 and "worker-001" in {s["worker_id"] for s in stats}
