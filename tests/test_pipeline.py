@@ -1,7 +1,6 @@
 """End to end: real local Ray, real S3 (moto server), tiny random models; every row exactly once."""
 from __future__ import annotations
 
-import collections
 import json
 import os
 import threading
@@ -9,68 +8,19 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-import ray
-import torch
 
 from jobs.cli import main
 from pipeline.driver import run_job
 from pipeline.job_state import OutputConflict
-from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
-from workers.config import JobConfig
-from workers.storage import filesystem, list_files, read_bytes
+from tests.pipeline_helpers import (
+    assert_exactly_once,
+    make_config,
+    prompts,
+    read_output,
+)
+from workers.storage import filesystem, read_bytes
 
-pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    tokenizer = tiny_tokenizer()
-    return str(save_model_dir(tmp_path_factory.mktemp("tiny"), tiny_llama(len(tokenizer), dtype=torch.float32), tokenizer))
-
-
-def make_config(model_dir: str, input_path: str, output_path: str, **sections) -> JobConfig:
-    base = {
-        "name": "t",
-        "input": {"path": input_path},
-        "output": {"path": output_path},
-        "model": {"target": model_dir, "drafter": "ngram"},
-        "generation": {"max_new_tokens": 12},
-        "resources": {"workers": 1, "cpus_per_worker": 0.5, "batch_size": 4},
-        "sharding": {"rows_per_shard": 4},
-    }
-    for section, values in sections.items():
-        base[section] = {**base.get(section, {}), **values}
-    return JobConfig.model_validate(base)
-
-
-def read_output(config: JobConfig):
-    urls = list_files(config.output.path.rstrip("/") + "/data", config.output.storage_options, [".parquet"])
-    fs, _ = filesystem(config.output.path, config.output.storage_options)
-    tables = [pq.read_table(filesystem(u, config.output.storage_options)[1], filesystem=fs) for u in urls]
-    return [row for t in tables for row in t.to_pylist()]
-
-
-def assert_exactly_once(config: JobConfig, ids: list[str], samples: int = 1) -> list[dict]:
-    rows = read_output(config)
-    counts = collections.Counter(r["id"] for r in rows)
-    assert counts == {i: samples for i in ids}
-    for i in ids:
-        assert sorted(r["sample_index"] for r in rows if r["id"] == i) == list(range(samples))
-    assert read_bytes(config.output.path.rstrip("/") + "/_SUCCESS", config.output.storage_options) == b""
-    return rows
-
-
-def prompts(n: int, prefix: str = "p") -> list[dict]:
-    words = ["the quick brown fox", "rewrite this sentence", "def add(a, b)", "why is the sky blue"]
-    return [{"id": f"{prefix}{i}", "prompt": f"{words[i % 4]} {i}", "task": words[i % 4][:3]} for i in range(n)]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("local_ray")]
 
 
 def test_s3_to_s3_several_files_and_shards(model_dir, s3, write_input):
