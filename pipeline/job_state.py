@@ -16,7 +16,14 @@ from importlib.metadata import version
 
 from pipeline.job_config import changed_keys, fingerprint
 from workers.config import JobConfig, redacted
-from workers.storage import exists, join, list_files, on_storage, read_bytes, write_bytes_atomic
+from workers.storage import (
+    exists,
+    join,
+    list_files,
+    on_storage,
+    read_bytes,
+    write_bytes_atomic,
+)
 
 LEASE_TTL_S = 120.0
 
@@ -65,6 +72,7 @@ class JobState:
         if overwrite and manifest:
             self.clear()
             manifest = None
+        self.remove_partials()
         self.heartbeat()
         self.write_json({"name": self.config.name, "fingerprint": fingerprint(self.config),
                          "config": redacted(self.config), "versions": versions(),
@@ -76,6 +84,15 @@ class JobState:
             url = self.url(part)
             if exists(url, self.options):
                 on_storage(url, self.options, lambda fs, path: fs.rm(path, recursive=True), "delete")
+
+    def remove_partials(self) -> None:
+        """Delete temporary files a killed run left behind (local writes only: an object PUT is never partial)."""
+        def sweep(fs, path: str) -> None:
+            if fs.exists(path):
+                for leftover in [p for p in fs.find(path) if p.rsplit("/", 1)[-1].startswith(".") and p.endswith(".tmp")]:
+                    fs.rm(leftover)
+
+        on_storage(self.root, self.options, sweep, "clean")
 
     def heartbeat(self) -> None:
         self.write_json({"run_id": self.run_id, "host": platform.node(), "pid": os.getpid(), "heartbeat": time.time()},
