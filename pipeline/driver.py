@@ -20,6 +20,7 @@ from pipeline.planner import plan_shards
 from pipeline.report import summarize, write_report
 from workers.actor import GenerationWorker
 from workers.config import JobConfig
+from workers.models import check_model_path
 from workers.shard_io import ShardSpec
 from workers.storage import safe_url
 
@@ -104,6 +105,8 @@ class WorkerPool:
 def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True) -> dict:
     """Run (or resume) a job to completion and return its summary."""
     started = time.time()
+    for path in filter(None, (config.model.target, config.model.draft if config.model.drafter == "model" else None)):
+        check_model_path(path, config.input.storage_options)
     state = JobState(config)
     plan = plan_shards(config)
     resumed = state.claim(overwrite)
@@ -125,6 +128,12 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
 def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipped: int, progress: bool) -> list[dict]:
     """Keep every actor busy with one shard at a time until the queue is empty."""
     pool = WorkerPool(config, worker_shape(config, ray.cluster_resources()))
+    try:  # a worker that cannot load its models fails the job now, with the worker's own error
+        devices = ray.get([actor.device.remote() for actor in pool.actors.values()])
+    except _WORKER_DEATHS as exc:
+        pool.shutdown()
+        raise JobFailed(f"workers could not start: {exc}") from None
+    log.info("workers ready on %s", ", ".join(devices))
     running: dict[ray.ObjectRef, tuple[str, ShardSpec, int]] = {}
     idle, results, failures = deque(pool.actors), [], []
     bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=config.name)

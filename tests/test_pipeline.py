@@ -8,9 +8,10 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from jobs.cli import main
-from pipeline.driver import run_job
+from pipeline.driver import JobFailed, run_job
 from pipeline.job_state import OutputConflict
 from tests.pipeline_helpers import (
     assert_exactly_once,
@@ -18,6 +19,8 @@ from tests.pipeline_helpers import (
     prompts,
     read_output,
 )
+from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+from workers.shard_io import InputError
 from workers.storage import filesystem, read_bytes
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("local_ray")]
@@ -163,3 +166,33 @@ def test_worker_killed_mid_job_is_replaced_and_nothing_is_lost(model_dir, tmp_pa
     assert_exactly_once(config, [f"p{i}" for i in range(24)])
     stats = pq.read_table(tmp_path / "out" / "stats" / "shards.parquet").to_pylist()
     assert max(s["attempt"] for s in stats) == 2 and "worker-001" in {s["worker_id"] for s in stats}
+
+
+def test_duplicate_ids_are_refused_or_suffixed(model_dir, tmp_path, write_input):
+    rows = [{"id": "a", "prompt": "the quick brown fox"}, {"id": "a", "prompt": "def add(a, b)"},
+            {"id": "b", "prompt": "why is the sky blue"}]
+    path = write_input(str(tmp_path / "in.jsonl"), rows)
+    refused = make_config(model_dir, path, str(tmp_path / "out1"), sharding={"rows_per_shard": 10})
+    summary = run_job(refused, progress=False)
+    out = read_output(refused)
+    assert summary["failed_rows"] == 1
+    assert [r["finish_reason"] for r in out if r["id"] == "a"].count("error") == 1
+    assert "duplicate id 'a'" in next(r["error"] for r in out if r["error"])
+    suffixed = make_config(model_dir, path, str(tmp_path / "out2"), input={"duplicate_ids": "suffix"},
+                           sharding={"rows_per_shard": 10})
+    run_job(suffixed, progress=False)
+    assert sorted(r["id"] for r in read_output(suffixed)) == ["a", "a#1", "b"]
+
+
+def test_setup_errors_stop_the_job_before_generating(model_dir, tmp_path, write_input):
+    path = write_input(str(tmp_path / "in.parquet"), prompts(4))
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        run_job(make_config(str(tmp_path / "no-such-model"), path, str(tmp_path / "o1")), progress=False)
+    other = tiny_tokenizer(vocab_size=300)
+    draft = save_model_dir(tmp_path / "other-draft", tiny_llama(len(other), layers=1, dtype=torch.float32), other)
+    config = make_config(model_dir, path, str(tmp_path / "o2"), model={"drafter": "model", "draft": str(draft)})
+    with pytest.raises(JobFailed, match="does not share the target's tokenizer"):
+        run_job(config, progress=False)
+    assert not (tmp_path / "o2" / "data").exists()
+    with pytest.raises(InputError, match="in.parquet.*nope|nope.*in.parquet"):
+        run_job(make_config(model_dir, path, str(tmp_path / "o3"), input={"prompt_column": "nope"}), progress=False)

@@ -13,7 +13,12 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from workers.storage import filesystem
 
@@ -102,6 +107,20 @@ def local_model_dir(path: str, storage_options: dict | None = None) -> Path:
     if not (local / "config.json").is_file():
         raise FileNotFoundError(f"model path {path} is not a model folder (no config.json)")
     return local
+
+
+def check_model_path(path: str, storage_options: dict | None = None) -> None:
+    """Fail fast, before any worker starts, when a model reference points at nothing."""
+    if path == DEMO_MODEL:
+        demo_model_gguf()
+    elif "://" in path and not path.startswith("file://"):
+        fs, root = filesystem(path, storage_options or {})
+        if not fs.exists(root):
+            raise FileNotFoundError(f"model path {path} does not exist")
+    else:
+        local = Path(path.removeprefix("file://")).expanduser()
+        if not (local.is_file() and local.suffix == ".gguf") and not (local / "config.json").is_file():
+            raise FileNotFoundError(f"model path {path} is neither a model folder (with config.json) nor a .gguf file")
 
 
 def load_model(path: str, dtype: str, device: torch.device, storage_options: dict | None = None,
