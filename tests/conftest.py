@@ -62,6 +62,15 @@ class MotoS3:
         return f"s3://{name}"
 
 
+def _serving() -> Iterator[MotoS3]:
+    server = MotoS3()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def s3() -> Iterator[MotoS3]:
     """One S3 server for the whole session, with fake AWS credentials in the environment."""
@@ -69,12 +78,7 @@ def s3() -> Iterator[MotoS3]:
     with pytest.MonkeyPatch.context() as mp:
         for key, value in AWS_ENV.items():
             mp.setenv(key, value)
-        server = MotoS3()
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
+        yield from _serving()
 
 
 @pytest.fixture
@@ -86,12 +90,7 @@ def s3_bucket(s3: MotoS3) -> str:
 @pytest.fixture
 def restartable_s3(s3: MotoS3) -> Iterator[MotoS3]:
     """A second server of its own, for tests that stop and restart it (moto's state survives restarts)."""
-    server = MotoS3()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _serving()
 
 
 @pytest.fixture

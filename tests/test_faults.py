@@ -17,12 +17,16 @@ from tests.pipeline_helpers import assert_exactly_once, make_config, prompts
 from workers.storage import list_files
 
 pytestmark = pytest.mark.timeout(300)
+ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL the driver and every process of the session it started (its local Ray included)."""
-    session = os.getsid(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL)
+    session = proc.pid  # started with start_new_session: it leads its own session and group
+    try:
+        os.killpg(session, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     proc.wait()
     for other in psutil.process_iter(["pid"]):
         try:
@@ -32,33 +36,56 @@ def _kill_session(proc: subprocess.Popen) -> None:
             pass
 
 
-def test_killed_driver_resumes_without_regenerating(model_dir, tmp_path, write_input):
+def _slow_job(model_dir: str, tmp_path, write_input) -> tuple[list[str], object]:
+    """A CLI command for a 16-row job slow enough to interrupt, and its output folder."""
     path = write_input(str(tmp_path / "in.jsonl"), prompts(16))
-    config = tmp_path / "job.yaml"
-    out = tmp_path / "out"
+    config, out = tmp_path / "job.yaml", tmp_path / "out"
     config.write_text(json.dumps({
         "name": "resume", "input": {"path": path}, "output": {"path": str(out)}, "model": {"target": model_dir},
         "generation": {"max_new_tokens": 48}, "speculation": {"k": 0},
         "resources": {"cpus_per_worker": 0.5, "batch_size": 1}, "sharding": {"rows_per_shard": 2}}))
-    command = [sys.executable, "-m", "jobs.cli", "run", str(config), "--quiet", "--json"]
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    first = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and len(list((out / "stats" / "parts").glob("*.json"))) < 2:
-            assert first.poll() is None, "the first run ended before it could be killed"
-            time.sleep(0.1)
-    finally:
-        _kill_session(first)
-    committed = {p.stem for p in (out / "stats" / "parts").glob("*.json")}
-    assert committed and not (out / "_SUCCESS").exists()
-    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    return [sys.executable, "-m", "jobs.cli", "run", str(config), "--quiet", "--json"], out
+
+
+def _start_and_wait_for_commits(command: list[str], out, commits: int = 2) -> subprocess.Popen:
+    proc = subprocess.Popen(command, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((out / "stats" / "parts").glob("*.json"))) < commits:
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        time.sleep(0.1)
+    return proc
+
+
+def _resume_and_check(command: list[str], out, model_dir: str, committed: set[str]) -> None:
+    """Rerun the same command: committed shards are skipped, nothing partial shows, every row once."""
+    second = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr[-2000:]
     summary = json.loads(second.stdout)
     assert summary["shards_skipped"] >= len(committed) and summary["shards"] == 8
     assert not [p for p in out.rglob("*") if p.name.startswith(".")], "a partial file of the killed run is visible"
-    cfg = make_config(model_dir, path, str(out))
-    assert_exactly_once(cfg, [f"p{i}" for i in range(16)])
+    assert_exactly_once(make_config(model_dir, str(out.parent / "in.jsonl"), str(out)), [f"p{i}" for i in range(16)])
+
+
+def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(model_dir, tmp_path, write_input):
+    command, out = _slow_job(model_dir, tmp_path, write_input)
+    proc = _start_and_wait_for_commits(command, out)
+    os.kill(proc.pid, signal.SIGINT)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 130 and "resume" in stderr.decode()
+    assert not (out / "_SUCCESS").exists() and not (out / "_LEASE.json").exists()
+    _resume_and_check(command, out, model_dir, {p.stem for p in (out / "stats" / "parts").glob("*.json")})
+
+
+def test_killed_driver_resumes_without_regenerating(model_dir, tmp_path, write_input):
+    command, out = _slow_job(model_dir, tmp_path, write_input)
+    first = _start_and_wait_for_commits(command, out)
+    _kill_session(first)
+    committed = {p.stem for p in (out / "stats" / "parts").glob("*.json")}
+    assert committed and not (out / "_SUCCESS").exists()
+    _resume_and_check(command, out, model_dir, committed)
 
 
 @pytest.mark.usefixtures("local_ray")
