@@ -142,3 +142,12 @@ def local_ray():
 def model_dir(tmp_path_factory) -> str:
     tokenizer = tiny_tokenizer()
     return str(save_model_dir(tmp_path_factory.mktemp("tiny"), tiny_llama(len(tokenizer), dtype=torch.float32), tokenizer))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine spinning threads cost a lot."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

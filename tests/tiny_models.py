@@ -49,3 +49,50 @@ def save_model_dir(path: Path, model, tokenizer) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+class StubTokenizer:
+    """Just enough of a tokenizer for the generator when tests feed token ids directly: ids decode to
+    space-separated numbers, and there is no EOS unless one is given."""
+
+    def __init__(self, eos_token_id: int | None = None):
+        self.eos_token_id = eos_token_id
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class OracleDrafter:
+    """A plugged-in drafter that knows the target's greedy continuation of every prompt (`references`,
+    keyed by the prompt's token tuple) and proposes each next token correctly with probability `alpha`,
+    independently per position, and a wrong token otherwise. Its acceptance is therefore known exactly."""
+
+    passes_per_token = 0
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], alpha: float, vocab_size: int, seed: int = 0):
+        import numpy as np
+
+        self.references, self.alpha, self.vocab_size = references, alpha, vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.proposed = 0
+
+    def start(self, max_rows: int, capacity: int) -> None: ...
+    def admit(self, rows, start: int) -> None: ...
+    def move(self, src: int, dst: int) -> None: ...
+
+    def propose(self, rows, k: int, caps: list[int]):
+        from workers.drafters import pack
+
+        drafts = []
+        for row, cap in zip(rows, caps):
+            reference = self.references[tuple(row.tokens[: row.prompt_len])]
+            done = row.tokens[row.prompt_len :]
+            assert done == reference[: len(done)], "the generator left the target's greedy path"
+            draft = []
+            for position in range(len(done), len(done) + max(0, min(k, cap))):
+                right = reference[position] if position < len(reference) else 0
+                wrong = (right + 1 + int(self.rng.integers(self.vocab_size - 1))) % self.vocab_size
+                draft.append(right if self.rng.random() < self.alpha else wrong)
+            drafts.append(draft)
+            self.proposed += len(draft)
+        return pack(drafts, k)

@@ -149,13 +149,14 @@ class SpeculativeGenerator:
 
     def _step(self, target: CachedLM, live: list[tuple[int, Row]], results: list[Completion | None]) -> None:
         s, rows = self.settings, [row for _, row in live]
-        k = self.controller.choose(len(rows))
-        offered = [min(k, s.max_new_tokens - r.generated - 1) for r in rows]
+        chosen = self.controller.choose(len(rows))
+        offered = [max(0, min(chosen, s.max_new_tokens - r.generated - 1)) for r in rows]
+        k = max(offered)  # no row may use more (its budget ends sooner): draft no further
         started = time.perf_counter()
         proposal = self.drafter.propose(rows, k, offered) if k else None
         drafted = time.perf_counter()
         lens = torch.zeros(len(rows), dtype=torch.long) if proposal is None else proposal.lengths.clamp(
-            max=torch.tensor(offered).clamp_min(0))
+            max=torch.tensor(offered))
         width = int(lens.max()) if len(rows) else 0
         drafts = torch.zeros(len(rows), 0, dtype=torch.long) if proposal is None else proposal.tokens[:, :width]
         inputs = torch.cat([torch.tensor([[r.tokens[-1]] for r in rows]), drafts], 1)

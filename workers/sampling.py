@@ -105,7 +105,9 @@ def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch
     accepted = (accept & valid).long().cumprod(1).sum(1)
     at = accepted.view(rows, 1, 1).expand(rows, 1, probs.shape[-1])
     p_next = probs.gather(1, at).squeeze(1)
-    padded_q = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)
+    # q is zero past the last draft (a row that drafted nothing, or all k accepted: bonus token from p);
+    # built with an explicit shape because draft_probs has no column to copy when no row drafted.
+    padded_q = torch.cat([draft_probs, draft_probs.new_zeros(rows, 1, probs.shape[-1])], 1)
     rejected = (accepted < draft_lens).unsqueeze(-1)
     weights = torch.where(rejected, (p_next - padded_q.gather(1, at).squeeze(1)).clamp_min(0), p_next)
     u_next = u.gather(1, accepted.view(rows, 1).cpu()).squeeze(1)
