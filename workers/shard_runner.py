@@ -17,7 +17,13 @@ import torch
 from workers.config import JobConfig
 from workers.controller import AdaptiveK, Controller, FixedK
 from workers.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from workers.generator import Completion, GenerationSettings, GenerationStats, Request, SpeculativeGenerator
+from workers.generator import (
+    Completion,
+    GenerationSettings,
+    GenerationStats,
+    Request,
+    SpeculativeGenerator,
+)
 from workers.models import load_model, load_tokenizer
 from workers.sampling import SamplingParams
 from workers.schemas import output_schema
