@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from workers.fused_decoder import FusedDecoder
 from workers.kv_cache import SlotCache
 
 
@@ -29,7 +30,8 @@ class CachedLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         head = model.get_output_embeddings()
-        if self.device.type == "cpu":
+        self.fused = FusedDecoder.of(model) if FusedDecoder.supports(model) else None
+        if self.fused is None and self.device.type == "cpu":
             relayout_linears_for_cpu(model.get_decoder())
         # On CPU a matmul against a pre-transposed contiguous weight runs about 2x faster than F.linear.
         self.head_weight = head.weight.detach().t().contiguous() if self.device.type == "cpu" else head.weight.detach().t()
@@ -48,8 +50,12 @@ class CachedLM:
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
         positions = positions.to(self.device)
         self.cache.rows, self.cache.write_positions, self.cache.kv_len = slice(start, start + n), positions, kv_len
-        hidden = self.decoder(input_ids=tokens.to(self.device), attention_mask=mask.unsqueeze(1).to(self.device),
-                              position_ids=positions, cache=self.cache, use_cache=True).last_hidden_state
+        tokens, mask = tokens.to(self.device), mask.unsqueeze(1).to(self.device)
+        if self.fused is not None:
+            hidden = self.fused(tokens, positions, mask, self.cache)
+        else:
+            hidden = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
+                                  use_cache=True).last_hidden_state
         return self.head(hidden) if logits else None
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
