@@ -74,6 +74,7 @@ class CachedLM:
     def advance(self, counts: torch.Tensor, start: int = 0) -> None:
         self.lengths[start : start + len(counts)] += counts
 
+    @torch.inference_mode()
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst, int(self.lengths[src]))
         self.lengths[dst] = self.lengths[src]

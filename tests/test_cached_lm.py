@@ -1,0 +1,40 @@
+"""The slot-cache forward (fused or through transformers' modules) equals a plain full forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import tiny_llama
+from workers.cached_lm import CachedLM
+from workers.fused_decoder import FusedDecoder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_rows_of_different_lengths_match_full_forward(fused, monkeypatch):
+    model = tiny_llama(64, layers=2, seed=3)
+    if not fused:
+        monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda m: False))
+    lm = CachedLM(model, max_rows=3, capacity=64)
+    assert (lm.fused is not None) == fused
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    steps = [[20, 21, 22], [23, 24, 25], [26, 27, 28]]
+    lm.prefill(prompts, 0)
+    logits = lm.forward(torch.tensor([[p[-1]] + s for p, s in zip(prompts, steps)]))
+    lm.advance(torch.tensor([2, 1, 4]))  # keep different numbers of the fed tokens per row, as after a verify
+    after = lm.forward(torch.tensor([[40], [41], [42]]))
+    for row, (prompt, step) in enumerate(zip(prompts, steps)):
+        full = model(torch.tensor([prompt + step])).logits[0, len(prompt) - 1 :]
+        torch.testing.assert_close(logits[row], full.float(), rtol=1e-6, atol=1e-6)
+        kept = (prompt + step)[: len(prompt) + [2, 1, 4][row] - 1] + [[40], [41], [42]][row]
+        torch.testing.assert_close(after[row, 0], model(torch.tensor([kept])).logits[0, -1].float(), rtol=1e-6, atol=1e-6)
+
+
+def test_slot_moves_keep_a_row_intact():
+    model = tiny_llama(64, layers=2, seed=4)
+    lm = CachedLM(model, max_rows=2, capacity=32)
+    lm.prefill([[1, 2, 3], [4, 5, 6, 7, 8]], 0)
+    lm.move(1, 0)
+    logits = lm.forward(torch.tensor([[9]]))
+    torch.testing.assert_close(logits[0, 0], model(torch.tensor([[4, 5, 6, 7, 9]])).logits[0, -1].float())
