@@ -4,17 +4,85 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from pipeline.job_config import ConfigError, load_config
 
 
+def _terminate(signum, frame):
+    """SIGTERM (`specbatch stop`, a scheduler) unwinds like Ctrl-C: actors are killed and the output's
+    lease released, so the same command can resume at once. Once connected, Ray's driver puts its own
+    SIGTERM handler in place (sys.exit), which unwinds the same `finally` blocks."""
+    raise KeyboardInterrupt
+
+
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.driver import run_job  # imports Ray and torch: only for commands that need them
+    from pipeline.driver import (  # imports Ray and torch: only where needed
+        JobFailed,
+        ResourceError,
+        run_job,
+    )
+    from pipeline.job_state import OutputConflict
 
     config = load_config(args.config, args.set)
-    summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet)
+    except (ResourceError, OutputConflict, JobFailed) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2) if args.json else _describe(summary))
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from jobs import cluster
+
+    job_id = cluster.submit(args.address, args.config, args.set, args.overwrite, args.env)
+    print(job_id)
+    if not args.wait:
+        return 0
+    state = cluster.follow(args.address, job_id)
+    print(f"{job_id}: {state}", file=sys.stderr)
+    return 0 if state == "SUCCEEDED" else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from jobs import cluster
+
+    print(cluster.status_line(cluster.info(args.address, args.job)))
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from jobs import cluster
+
+    if args.follow:
+        state = cluster.follow(args.address, args.job)
+        print(f"{args.job}: {state}", file=sys.stderr)
+        return 0
+    sys.stdout.write(cluster.logs(args.address, args.job))
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from jobs import cluster
+
+    if not cluster.stop(args.address, args.job):
+        print(f"{args.job} had already ended: {cluster.status_of(args.address, args.job)}")
+        return 0
+    if args.wait:
+        print(f"{args.job}: {cluster.wait(args.address, args.job, timeout_s=60)}")
+    else:
+        print(f"stop requested for {args.job}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from jobs import cluster
+
+    print(cluster.list_table(cluster.list_jobs(args.address, args.all)))
     return 0
 
 
@@ -39,10 +107,38 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="job YAML (local path or URL)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     run.add_argument("--overwrite", action="store_true", help="replace output written by a different config")
-    run.add_argument("--address", default=None, help="attach to a Ray cluster ('auto' or HOST:PORT) instead of starting one")
+    run.add_argument("--address", default=None,
+                     help="attach to a running Ray cluster ('auto', or the head's HOST:PORT) instead of starting one")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.set_defaults(func=_run)
+
+    def cluster_command(name: str, help: str, job: bool = True) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help)
+        cmd.add_argument("--address", default=None, metavar="ADDR",
+                         help="the cluster's dashboard, http://HEAD:8265 (default: $RAY_ADDRESS, as Ray's CLI)")
+        if job:
+            cmd.add_argument("job", help="the submission id printed by `specbatch submit`")
+        return cmd
+
+    submit = cluster_command("submit", "submit a job to a Ray cluster (Ray Jobs API) and print its id", job=False)
+    submit.add_argument("config", help="job YAML: a local file (uploaded with the job) or a URL the cluster can read")
+    submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    submit.add_argument("--overwrite", action="store_true", help="replace output written by a different config")
+    submit.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the job (not secrets: the runtime env is shown in the dashboard)")
+    submit.add_argument("--wait", action="store_true", help="follow the logs until the job ends; exit 1 unless it succeeded")
+    submit.set_defaults(func=_submit)
+    cluster_command("status", "show a submitted job's status").set_defaults(func=_status)
+    logs = cluster_command("logs", "print a submitted job's logs")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep streaming until the job ends")
+    logs.set_defaults(func=_logs)
+    stop = cluster_command("stop", "stop a submitted job (committed shards are kept; submit again to resume)")
+    stop.add_argument("--wait", action="store_true", help="wait until the job has stopped")
+    stop.set_defaults(func=_stop)
+    listing = cluster_command("list", "list the specbatch jobs on a cluster", job=False)
+    listing.add_argument("--all", action="store_true", help="every job on the cluster, not only specbatch's")
+    listing.set_defaults(func=_list)
     bench = sub.add_parser("bench", help="side-by-side speed benchmark against transformers")
     bench.add_argument("--config", default="configs/bench.yaml")
     bench.add_argument("--quick", action="store_true", help="a few minutes on a laptop CPU")
@@ -59,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from jobs.cluster import ClusterError  # light: no Ray import
+
+        if not isinstance(exc, ClusterError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: committed shards are kept; run the same command again to resume", file=sys.stderr)
         return 130

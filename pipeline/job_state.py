@@ -12,7 +12,7 @@ import platform
 import sys
 import time
 import uuid
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from pipeline.job_config import changed_keys, fingerprint
 from workers.config import JobConfig, redacted
@@ -33,8 +33,15 @@ class OutputConflict(RuntimeError):
 
 
 def versions() -> dict[str, str]:
+    """Library versions for _job.json; specbatch itself may run uninstalled (code shipped by `submit`)."""
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
     names = ("torch", "transformers", "ray", "pyarrow", "fsspec", "specbatch")
-    return {"python": sys.version.split()[0], **{n: version(n) for n in names}}
+    return {"python": sys.version.split()[0], **{n: installed(n) for n in names}}
 
 
 class JobState:

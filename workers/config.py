@@ -37,7 +37,7 @@ def _either(word: str, kind: type[int] | tuple[type, ...], minimum: float, label
             return value
         if isinstance(value, bool) or not isinstance(value, kind) or value < minimum:
             raise ValueError(f"must be '{word}' or {label} >= {minimum:g}")
-        return value
+        return float(value) if isinstance(kind, tuple) and float in kind else value  # 1 -> 1.0 for float fields
 
     return PlainValidator(check)
 

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -66,8 +67,18 @@ def _convert_gguf(gguf: Path) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(out) if not out.exists() else None
-    (out / "_COMPLETE").touch()
+    return _publish(tmp, out)
+
+
+def _publish(tmp: Path, out: Path) -> Path:
+    """Move a finished cache folder into place; several workers on one node may race, the first one wins."""
+    (tmp / "_COMPLETE").touch()
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "_COMPLETE").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -86,9 +97,7 @@ def _download_folder(url: str, storage_options: dict) -> Path:
         local = tmp / os.path.relpath(path, root.rstrip("/"))
         local.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(path, str(local))
-    tmp.replace(out) if not out.exists() else None
-    (out / "_COMPLETE").touch()
-    return out
+    return _publish(tmp, out)
 
 
 def local_model_dir(path: str, storage_options: dict | None = None) -> Path:
