@@ -23,6 +23,18 @@ def relayout_linears_for_cpu(model: torch.nn.Module) -> None:
             module.weight = torch.nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
 
 
+def _head_weight(model: PreTrainedModel) -> torch.Tensor:
+    """The LM head as a (hidden, vocab) matrix, built once per model (generators are created per shard).
+
+    On CPU it is a contiguous copy (the head is usually tied to the embedding, which needs rows), because
+    GEMV against a contiguous (in, out) weight runs much faster than F.linear on the (out, in) one.
+    """
+    if getattr(model, "_specbatch_head", None) is None:
+        weight = model.get_output_embeddings().weight.detach().t()
+        model._specbatch_head = weight.contiguous() if weight.device.type == "cpu" else weight
+    return model._specbatch_head
+
+
 class CachedLM:
     def __init__(self, model: PreTrainedModel, max_rows: int, capacity: int):
         self.model = model
@@ -33,8 +45,7 @@ class CachedLM:
         self.fused = FusedDecoder.of(model) if FusedDecoder.supports(model) else None
         if self.fused is None and self.device.type == "cpu":
             relayout_linears_for_cpu(model.get_decoder())
-        # On CPU a matmul against a pre-transposed contiguous weight runs about 2x faster than F.linear.
-        self.head_weight = head.weight.detach().t().contiguous() if self.device.type == "cpu" else head.weight.detach().t()
+        self.head_weight = _head_weight(model)
         self.head_bias = None if getattr(head, "bias", None) is None else head.bias.detach()
         self.cache = SlotCache(max_rows, capacity)
         self.lengths = torch.zeros(max_rows, dtype=torch.long)

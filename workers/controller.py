@@ -53,8 +53,10 @@ def expected_tokens(alpha: np.ndarray, k: int) -> np.ndarray:
 
 
 class CostModel:
-    """Verify time t(n, w) = a + b*n + c*n*w fitted by least squares on measured cell means; draft time
-    per drafted position as a running mean. Replaceable by a test with any object of the same shape."""
+    """Verify time by (rows, width) from measured cell means, interpolated between measured widths and
+    extended past them along the last measured slope; a least-squares fit t = a + b*n + c*n*w covers
+    row counts not measured yet. Draft time per drafted position is a running mean. A test may inject
+    any object with the same observe / verify / draft methods."""
 
     def __init__(self):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
@@ -76,33 +78,61 @@ class CostModel:
             self.coef = np.maximum(coef, [1e-6, 0.0, 1e-9])
 
     def verify(self, n: int, width: int) -> float:
-        return float(self.coef @ [1.0, n, n * width])
+        measured = sorted((w, t) for (rows, w), (t, _) in self.cells.items() if rows == n)
+        if not measured:
+            return float(self.coef @ [1.0, n, n * width])
+        widths, times = np.array([w for w, _ in measured], float), np.array([t for _, t in measured])
+        if len(measured) == 1:
+            slope = self.coef[2] * n
+        else:
+            end = -1 if width >= widths[-1] else 1
+            pair = slice(-2, None) if end == -1 else slice(0, 2)
+            slope = max(0.0, float(np.diff(times[pair])[0] / np.diff(widths[pair])[0]))
+        if widths[0] <= width <= widths[-1]:
+            return float(np.interp(width, widths, times))
+        anchor = -1 if width > widths[-1] else 0
+        return max(1e-9, float(times[anchor] + slope * (width - widths[anchor])))
 
     def draft(self, n: int, k: int) -> float:
         return self.draft_per_token * k
 
 
 class AdaptiveK:
-    """Per-row acceptance (EWMA per position) and online costs -> the k with the most tokens per second.
+    """Per-row acceptance per position and online costs -> the k with the most tokens per second.
 
-    Hysteresis keeps k unless another value is predicted `margin` better; every `explore_every` steps
-    it tries one position more than it would, so acceptance where it stopped drafting (k = 0 included)
-    is measured again and speculation can come back. Row acceptance moves at `row_rate` 0.1 (about ten
-    observations): at 0.3 an EWMA of 0/1 hits has a standard deviation near 0.2, far above the margin, and
-    at batch 1 k flapped over 0..5 on stationary input (about 50 switches per 1000 steps).
+    Acceptance is counted, not averaged: decayed hits / tries per position over a prior worth a few
+    tries. It learns from the first few steps of a row, steadies as tries accumulate, and forgets (every
+    step multiplies the counts by `decay`), so what is no longer measured drifts back to the prior and
+    gets measured again. A row's prior is the worker's acceptance, a worker's prior is `prior`.
+    Hysteresis keeps k unless another value is predicted `margin` better; every `explore_every` steps it
+    tries one position more than it would, so speculation comes back after a k = 0 phase.
     """
 
     def __init__(self, max_k: int, max_rows: int, costs: CostModel | None = None, prior: float = 0.6,
-                 row_rate: float = 0.1, worker_rate: float = 0.05, margin: float = 0.03, explore_every: int = 16):
-        self.max_k, self.costs = max_k, costs or CostModel()
-        self.worker_alpha = np.full(max_k, prior)
-        self.row_alpha = np.tile(self.worker_alpha, (max_rows, 1))
-        self.row_rate, self.worker_rate, self.margin, self.explore_every = row_rate, worker_rate, margin, explore_every
+                 row_decay: float = 0.97, worker_decay: float = 0.99, prior_tries: float = 2.0,
+                 margin: float = 0.03, explore_every: int = 16):
+        self.max_k, self.costs, self.prior, self.prior_tries = max_k, costs or CostModel(), prior, prior_tries
+        self.row_decay, self.worker_decay, self.margin, self.explore_every = row_decay, worker_decay, margin, explore_every
+        self.worker_hits, self.worker_tries = np.zeros(max_k), np.zeros(max_k)
+        self.row_hits, self.row_tries = np.zeros((max_rows, max_k)), np.zeros((max_rows, max_k))
         self.k, self.steps = max_k, 0
+
+    @property
+    def worker_alpha(self) -> np.ndarray:
+        """Each position's prior is the position before it (acceptance rarely drops along a copied span),
+        so positions not tried yet are judged by the last ones that were."""
+        alpha, prior = np.empty(self.max_k), self.prior
+        for i in range(self.max_k):
+            alpha[i] = prior = (self.worker_hits[i] + prior * self.prior_tries) / (self.worker_tries[i] + self.prior_tries)
+        return alpha
+
+    def row_alpha(self, n_rows: int) -> np.ndarray:
+        hits, tries = self.row_hits[:n_rows], self.row_tries[:n_rows]
+        return (hits + self.worker_alpha * self.prior_tries) / (tries + self.prior_tries)
 
     def rate(self, n_rows: int, k: int) -> float:
         """Predicted generated tokens per second for the first n rows at draft length k."""
-        gain = expected_tokens(self.row_alpha[:n_rows], k).sum()
+        gain = expected_tokens(self.row_alpha(n_rows), k).sum()
         return gain / (self.costs.draft(n_rows, k) + self.costs.verify(n_rows, k + 1))
 
     def choose(self, n_rows: int) -> int:
@@ -123,16 +153,18 @@ class AdaptiveK:
     def observe(self, step: StepRecord) -> None:
         n = len(step.offered)
         self.costs.observe(n, step.width, step.verify_s, step.k, step.draft_s)
-        for row in range(n):
-            tried = min(int(step.offered[row]), int(step.accepted[row]) + 1)
-            if tried == 0:
-                continue
-            hits = (np.arange(tried) < step.accepted[row]).astype(float)
-            self.row_alpha[row, :tried] += self.row_rate * (hits - self.row_alpha[row, :tried])
-            self.worker_alpha[:tried] += self.worker_rate * (hits - self.worker_alpha[:tried])
+        tried = np.minimum(step.offered, step.accepted + 1)
+        positions = np.arange(self.max_k)
+        tries = (positions < tried[:, None]).astype(float)
+        hits = (positions < step.accepted[:, None]).astype(float)
+        self.row_hits[:n] = self.row_hits[:n] * self.row_decay + hits
+        self.row_tries[:n] = self.row_tries[:n] * self.row_decay + tries
+        self.worker_hits = self.worker_hits * self.worker_decay + hits.sum(0)
+        self.worker_tries = self.worker_tries * self.worker_decay + tries.sum(0)
 
     def admit(self, start: int, count: int) -> None:
-        self.row_alpha[start : start + count] = self.worker_alpha
+        self.row_hits[start : start + count] = 0.0
+        self.row_tries[start : start + count] = 0.0
 
     def move(self, src: int, dst: int) -> None:
-        self.row_alpha[dst] = self.row_alpha[src]
+        self.row_hits[dst], self.row_tries[dst] = self.row_hits[src], self.row_tries[src]

@@ -150,10 +150,17 @@ class SpeculativeGenerator:
     def _step(self, target: CachedLM, live: list[tuple[int, Row]], results: list[Completion | None]) -> None:
         s, rows = self.settings, [row for _, row in live]
         chosen = self.controller.choose(len(rows))
-        offered = [max(0, min(chosen, s.max_new_tokens - r.generated - 1)) for r in rows]
+        budgets = [s.max_new_tokens - r.generated - 1 for r in rows]
+        offered = [max(0, min(chosen, b)) for b in budgets]
         k = max(offered)  # no row may use more (its budget ends sooner): draft no further
         started = time.perf_counter()
         proposal = self.drafter.propose(rows, k, offered) if k else None
+        # At k = 0 a model-free drafter still guesses one token (microseconds); comparing the guess with
+        # the token the target then picks measures acceptance for free, so the controller knows when
+        # speculation would pay again without spending a wider verify pass to find out.
+        shadow_offer = [min(1, max(0, b)) for b in budgets]
+        shadow = (self.drafter.propose(rows, 1, shadow_offer)
+                  if not k and self.drafter.passes_per_token == 0 and any(shadow_offer) else None)
         drafted = time.perf_counter()
         lens = torch.zeros(len(rows), dtype=torch.long) if proposal is None else proposal.lengths.clamp(
             max=torch.tensor(offered))
@@ -175,6 +182,10 @@ class SpeculativeGenerator:
             self.stats.draft_passes += k * self.drafter.passes_per_token
         self.stats.draft_s += drafted - started
         self.stats.verify_s += verified - drafted
+        if shadow is not None:
+            offered = shadow_offer  # a row with no guess missed, as it would have when drafting
+            accepted = [int(n > 0 and guess[0] == new[0]) for n, guess, new in
+                        zip(shadow.lengths.tolist(), shadow.tokens.tolist(), verdict.tokens)]
         self.controller.observe(StepRecord(k, np.array(offered), np.array(accepted), width + 1,
                                            drafted - started, verified - drafted))
         finished = []
