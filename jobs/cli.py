@@ -24,12 +24,14 @@ def _run(args: argparse.Namespace) -> int:
         run_job,
     )
     from pipeline.job_state import OutputConflict
+    from workers.shard_io import InputError
+    from workers.storage import StorageError
 
     config = load_config(args.config, args.set)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet)
-    except (ResourceError, OutputConflict, JobFailed) as exc:
+    except (ResourceError, OutputConflict, JobFailed, InputError, StorageError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=2) if args.json else _describe(summary))

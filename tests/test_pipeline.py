@@ -98,6 +98,17 @@ def test_cli_config_errors_name_every_bad_key(tmp_path, capsys):
     assert "hunter2" not in err
 
 
+def test_cli_reports_a_missing_model_and_a_missing_column_without_a_traceback(model_dir, tmp_path, write_input, capsys):
+    path = write_input(str(tmp_path / "in.parquet"), prompts(2))
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(f"input: {{path: {path}}}\noutput: {{path: {tmp_path / 'o'}}}\nmodel: {{target: {model_dir}}}\n")
+    assert main(["run", str(config_file), "--set", f"model.target={tmp_path / 'gone'}"]) == 1
+    assert "error: model path" in capsys.readouterr().err
+    assert main(["run", str(config_file), "--set", "input.prompt_column=text"]) == 1
+    err = capsys.readouterr().err
+    assert "in.parquet" in err and "text" in err and "Traceback" not in err
+
+
 def test_resume_skips_committed_shards_and_refuses_changed_config(model_dir, tmp_path, write_input):
     path = write_input(str(tmp_path / "in.jsonl"), prompts(12))
     config = make_config(model_dir, path, str(tmp_path / "out"))
