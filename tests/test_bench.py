@@ -130,7 +130,7 @@ def test_bench_draft_model_and_pipeline_via_cli(model_dir, draft_dir, prompt_fil
 def test_config_quick_section_and_checks(tmp_path):
     full = load_bench_config(Path(__file__).parents[1] / "configs" / "bench.yaml")
     quick = load_bench_config(Path(__file__).parents[1] / "configs" / "bench.yaml", quick=True)
-    assert full.batch_sizes == [1, 4, 16] and full.max_new_tokens == 128 and full.repeats == 3
+    assert full.batch_sizes == [1, 4, 16] and full.max_new_tokens == 96 and full.repeats == 2
     assert quick.batch_sizes == [1, 4] and quick.ks == [0, 2, 8] and quick.repeats == 1
     assert quick.pipeline.enabled and quick.pipeline.batch_size == 4 and quick.pipeline.k == "adaptive"
     gpu = load_bench_config(Path(__file__).parents[1] / "configs" / "bench-gpu.yaml")
