@@ -44,16 +44,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from typing_extensions import Self
 
 from workers.config import JobConfig
-from workers.controller import AdaptiveK, Controller, FixedK
-from workers.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from workers.generator import (
     GenerationSettings,
-    GenerationStats,
     Request,
     SpeculativeGenerator,
 )
 from workers.models import DEMO_MODEL, load_model, load_tokenizer
 from workers.sampling import SamplingParams
+from workers.shard_runner import make_controller, make_drafter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRANSFORMERS = "transformers"
@@ -387,30 +385,15 @@ def run_transformers(system: System, models: BenchModels, prompts: list[Prompt],
     return Run(outputs, wall, counter.passes, counter.rows, [], [])
 
 
-class RowPassStats(GenerationStats):
-    """GenerationStats that also sums the rows of every target pass (for tokens per row per pass)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.row_passes = 0
-
-    def record(self, k: int, draft_lens: list[int], accepted: list[int]) -> None:
-        super().record(k, draft_lens, accepted)
-        self.row_passes += len(accepted)
-
-
 def make_generator(system: System, models: BenchModels, cfg: BenchConfig, batch_size: int,
                    max_new_tokens: int) -> SpeculativeGenerator:
     """This generator as a worker would build it for the system (shard_runner.make_generator's choices)."""
-    adaptive = system.schedule == "adaptive"
-    max_k = cfg.max_k if adaptive else int(system.k)
-    drafter: Drafter = {"none": NoDrafter, "ngram": lambda: NgramDrafter(cfg.ngram_size),
-                        "model": lambda: ModelDrafter(models.our_draft, SamplingParams())}[system.drafter]()
-    controller: Controller = AdaptiveK(max_k, batch_size) if adaptive else FixedK(max_k)
+    k = "adaptive" if system.schedule == "adaptive" else int(system.k)
+    max_k = cfg.max_k if k == "adaptive" else k
+    drafter = make_drafter(system.drafter, cfg.ngram_size, models.our_draft, SamplingParams())
     settings = GenerationSettings(max_new_tokens, SamplingParams(), (), batch_size, max_k)
-    generator = SpeculativeGenerator(models.our_target, models.tokenizer, drafter, controller, settings)
-    generator.stats = RowPassStats(max_k)
-    return generator
+    return SpeculativeGenerator(models.our_target, models.tokenizer, drafter, make_controller(k, max_k, batch_size),
+                                settings)
 
 
 def run_specbatch(system: System, models: BenchModels, prompts: list[Prompt], batch_size: int,
@@ -427,7 +410,7 @@ def run_specbatch(system: System, models: BenchModels, prompts: list[Prompt], ba
     errors = [c.error for c in completions if c.error]
     if errors:
         raise BenchError(f"{system.name} failed on {len(errors)} prompts: {errors[0]}")
-    s: RowPassStats = generator.stats  # type: ignore[assignment]
+    s = generator.stats
     return Run([c.token_ids for c in completions], wall, s.target_passes, s.row_passes,
                [float(a) for a in s.accept_by_position], [int(c) for c in s.k_hist])
 

@@ -53,6 +53,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     target_passes: int = 0
+    row_passes: int = 0             # rows summed over target passes: tokens per row per pass = generated / this
     draft_passes: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -70,6 +71,7 @@ class GenerationStats:
 
     def record(self, k: int, draft_lens: list[int], accepted: list[int]) -> None:
         self.target_passes += 1
+        self.row_passes += len(accepted)
         self.k_hist[k] += 1
         for drafted, acc in zip(draft_lens, accepted):
             self.drafted_tokens += drafted

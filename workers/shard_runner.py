@@ -61,13 +61,23 @@ def load_models(config: JobConfig, device: torch.device) -> Models:
     return Models(target, tokenizer, draft)
 
 
+def make_drafter(kind: str, ngram_size: int, draft: torch.nn.Module | None, sampling: SamplingParams) -> Drafter:
+    """The drafter a config names (`none`, `ngram` or `model`)."""
+    return {"none": NoDrafter, "ngram": lambda: NgramDrafter(ngram_size),
+            "model": lambda: ModelDrafter(draft, sampling)}[kind]()
+
+
+def make_controller(k: int | str, max_k: int, rows: int) -> Controller:
+    """`adaptive` or a fixed k."""
+    return AdaptiveK(max_k, rows) if k == "adaptive" else FixedK(int(k))
+
+
 def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
     g, s = config.generation, config.speculation
     sampling = SamplingParams(g.temperature, g.top_k, g.top_p)
     max_k = s.max_k if s.k == "adaptive" else int(s.k)
-    drafter: Drafter = {"none": NoDrafter, "ngram": lambda: NgramDrafter(s.ngram_size),
-                        "model": lambda: ModelDrafter(models.draft, sampling)}[config.model.drafter]()
-    controller: Controller = AdaptiveK(max_k, config.resources.batch_size) if s.k == "adaptive" else FixedK(int(s.k))
+    drafter = make_drafter(config.model.drafter, s.ngram_size, models.draft, sampling)
+    controller = make_controller(s.k, max_k, config.resources.batch_size)
     settings = GenerationSettings(g.max_new_tokens, sampling, tuple(g.stop), config.resources.batch_size, max_k,
                                   config.input.overlong)
     return SpeculativeGenerator(models.target, models.tokenizer, drafter, controller, settings)
