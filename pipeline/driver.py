@@ -45,14 +45,19 @@ class WorkerShape:
 
 
 def connect(address: str | None) -> None:
-    """Attach to a cluster, or start a local one bound to 127.0.0.1 (Ray's ports carry no auth)."""
+    """Attach to the cluster at `address`, or start a private local one.
+
+    Without an address Ray would attach to whatever /tmp/ray/ray_current_cluster names (a live or
+    long-dead `ray start`), so a local run always asks for a new instance; attaching is --address's job.
+    """
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, log_to_driver=True)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster for this process: no token to set up
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
 
 
 def worker_shape(config: JobConfig, cluster: dict[str, float]) -> WorkerShape:
