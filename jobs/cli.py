@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from pipeline.job_config import ConfigError, load_config
+from pipeline.config_file import ConfigError, load_config
 
 
 def _terminate(signum, frame):

@@ -35,7 +35,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from pipeline.job_config import ConfigError, load_config
+from pipeline.config_file import ConfigError, load_config
 from workers.config import is_secret_key
 from workers.storage import safe_url
 

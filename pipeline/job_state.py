@@ -6,6 +6,7 @@ rewrites the same key.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -13,8 +14,8 @@ import sys
 import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-from pipeline.job_config import changed_keys, fingerprint
 from workers.config import JobConfig, redacted
 from workers.storage import (
     exists,
@@ -26,6 +27,9 @@ from workers.storage import (
 )
 
 LEASE_TTL_S = 120.0
+# Sections and keys that change how a job runs but not what it writes: resume ignores them.
+_RUN_ONLY_SECTIONS = ("resources", "retries")
+_RUN_ONLY_KEYS = ("storage_options",)
 
 
 class OutputConflict(RuntimeError):
@@ -134,3 +138,38 @@ def _alive(lease: dict) -> bool:
         except PermissionError:
             return True
     return True
+
+
+def _output_fields(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a (redacted) config dict that determine the job's output."""
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k not in _RUN_ONLY_KEYS}
+        return node
+
+    return {k: strip(v) for k, v in config_dict.items() if k not in _RUN_ONLY_SECTIONS}
+
+
+def fingerprint(config: JobConfig) -> str:
+    """sha256 of the canonical JSON of everything that affects the output; resume refuses a change."""
+    canonical = json.dumps(_output_fields(redacted(config)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted paths of the output-affecting keys that differ between two redacted config dicts."""
+    return _diff(_output_fields(old), _output_fields(new), "")
+
+
+def _diff(old: Any, new: Any, prefix: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        changed = []
+        for key in sorted(old.keys() | new.keys()):
+            path = f"{prefix}.{key}" if prefix else key
+            if key not in old or key not in new:
+                changed.append(path)
+            else:
+                changed += _diff(old[key], new[key], path)
+        return changed
+    return [] if old == new else [prefix]

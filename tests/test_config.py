@@ -6,7 +6,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipeline.job_config import ConfigError, changed_keys, fingerprint, load_config
+from pipeline.config_file import ConfigError, load_config
+from pipeline.job_state import changed_keys, fingerprint
 from workers.config import JobConfig, redacted, template_fields, validation_message
 
 MINIMAL = {"input": {"path": "s3://bucket/prompts/"}, "output": {"path": "s3://bucket/out/"}, "model": {"target": "m"}}

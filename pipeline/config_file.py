@@ -1,20 +1,14 @@
-"""Loading a job config (YAML plus --set overrides) and telling whether two configs give the same output."""
+"""Reading a job config file: YAML plus --set overrides, validated into a JobConfig."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from workers.config import JobConfig, redacted, validation_message
+from workers.config import JobConfig, validation_message
 from workers.storage import read_bytes, safe_url
-
-# Sections and keys that change how a job runs but not what it writes: resume ignores them.
-_RUN_ONLY_SECTIONS = ("resources", "retries")
-_RUN_ONLY_KEYS = ("storage_options",)
 
 
 class ConfigError(ValueError):
@@ -71,38 +65,3 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {'.'.join(parts[: depth + 1])} is not a section")
     node[parts[-1]] = value
-
-
-def _output_fields(config_dict: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a (redacted) config dict that determine the job's output."""
-
-    def strip(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if k not in _RUN_ONLY_KEYS}
-        return node
-
-    return {k: strip(v) for k, v in config_dict.items() if k not in _RUN_ONLY_SECTIONS}
-
-
-def fingerprint(config: JobConfig) -> str:
-    """sha256 of the canonical JSON of everything that affects the output; resume refuses a change."""
-    canonical = json.dumps(_output_fields(redacted(config)), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted paths of the output-affecting keys that differ between two redacted config dicts."""
-    return _diff(_output_fields(old), _output_fields(new), "")
-
-
-def _diff(old: Any, new: Any, prefix: str) -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        changed = []
-        for key in sorted(old.keys() | new.keys()):
-            path = f"{prefix}.{key}" if prefix else key
-            if key not in old or key not in new:
-                changed.append(path)
-            else:
-                changed += _diff(old[key], new[key], path)
-        return changed
-    return [] if old == new else [prefix]
