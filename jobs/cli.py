@@ -8,6 +8,7 @@ import signal
 import sys
 
 from pipeline.config_file import ConfigError, load_config
+from pipeline.job_state import installed_version
 
 
 def _terminate(signum, frame):
@@ -18,24 +19,31 @@ def _terminate(signum, frame):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.driver import (  # imports Ray and torch: only where needed
-        JobFailed,
-        ResourceError,
-        run_job,
-    )
     from pipeline.job_state import OutputConflict
+    from pipeline.planner import plan_job
     from workers.shard_io import InputError
     from workers.storage import StorageError
 
     config = load_config(args.config, args.set)
+    expected = (InputError, StorageError, FileNotFoundError, OutputConflict)
+    try:
+        plan = plan_job(config)  # bad input or a missing model fails here, before Ray and torch load
+    except expected as exc:
+        return _error(exc)
+    from pipeline.driver import JobFailed, ResourceError, run_job
+
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet)
-    except (ResourceError, OutputConflict, JobFailed, InputError, StorageError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet, plan=plan)
+    except (*expected, ResourceError, JobFailed) as exc:
+        return _error(exc)
     print(json.dumps(summary, indent=2) if args.json else _describe(summary))
     return 0
+
+
+def _error(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 1
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -104,6 +112,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specbatch", description="Offline batch generation with adaptive speculative decoding on Ray.")
+    p.add_argument("--version", action="version", version=f"specbatch {installed_version('specbatch')}")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job (local Ray by default) and wait for it")
     run.add_argument("config", help="job YAML (local path or URL)")

@@ -37,7 +37,7 @@ import yaml
 
 from pipeline.config_file import ConfigError, load_config
 from workers.config import is_secret_key
-from workers.storage import safe_url
+from workers.storage import is_remote, safe_url
 
 PACKAGES = ("pipeline", "workers", "jobs")
 EXCLUDES = ["__pycache__", "*.pyc", ".venv", "venv", ".git", "out", "bench-out", ".cache", ".pytest_cache",
@@ -81,10 +81,6 @@ def client(address: str | None):
 def submission_id(name: str) -> str:
     """The config's name, the submit time and a random suffix: readable in `list`, unique per submit."""
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def _has_secret(key: str, value: Any) -> bool:
@@ -135,7 +131,7 @@ class Submission:
 def _warnings(config) -> list[str]:
     notes = []
     for label, path in (("input.path", config.input.path), ("output.path", config.output.path)):
-        if not _is_url(path):
+        if not is_remote(path):
             relative = not os.path.isabs(path.removeprefix("file://"))
             where = "inside the job's temporary working folder" if relative else "on each node"
             notes.append(f"{label} {safe_url(path)} is a local path: on the cluster it resolves {where}; "
@@ -151,7 +147,7 @@ def prepared(config_path: str, overrides: list[str], overwrite: bool = False,
     The temporary folder holding the config copy lives for the `with` block (Ray uploads it at submit).
     """
     check_overrides(overrides)
-    remote = _is_url(config_path)
+    remote = is_remote(config_path)
     warnings: list[str] = []
     try:
         config = load_config(config_path, overrides)

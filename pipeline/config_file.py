@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import yaml
@@ -20,7 +21,8 @@ def load_config(path: str, overrides: list[str] | None = None) -> JobConfig:
 
     Override values are parsed as YAML, so `speculation.k=4`, `input.id_column=null` and
     `generation.stop=["\\n"]` give an int, None and a list. Unknown keys, from the file or an
-    override, are reported by validation with all other problems in one ConfigError.
+    override, are reported by validation with all other problems in one ConfigError, each naming
+    where it was set: the file or --set.
     """
     shown = safe_url(path)
     try:
@@ -31,12 +33,35 @@ def load_config(path: str, overrides: list[str] | None = None) -> JobConfig:
         raise ConfigError(f"{shown}: not valid YAML{_yaml_position(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{shown}: the config must be a mapping of sections, not {type(data).__name__}")
+    from_file = copy.deepcopy(data)
     for override in overrides or []:
         apply_override(data, override)
+    set_keys = [o.partition("=")[0].strip() for o in overrides or []]
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{shown}: {validation_message(exc)}") from None
+        def source(key: str) -> str:
+            return " (from --set)" if _set_by(key, set_keys, from_file) else f" (in {shown})"
+
+        raise ConfigError(validation_message(exc, source)) from None
+
+
+def _set_by(key: str, set_keys: list[str], from_file: dict[str, Any]) -> bool:
+    """Whether --set gave this key: the key itself, a section above it, or a key below it that the file lacks."""
+    for given in set_keys:
+        if key == given or key.startswith(given + "."):
+            return True
+        if given.startswith(key + ".") and not _in(from_file, key.split(".")):
+            return True
+    return False
+
+
+def _in(data: Any, parts: list[str]) -> bool:
+    for part in parts:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 def _yaml_position(exc: yaml.YAMLError) -> str:

@@ -16,11 +16,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from tqdm import tqdm
 
 from pipeline.job_state import JobState
-from pipeline.planner import plan_shards
+from pipeline.planner import Plan, plan_job
 from pipeline.report import summarize, write_report
 from workers.actor import GenerationWorker
 from workers.config import JobConfig
-from workers.models import check_model_path
 from workers.shard_io import ShardSpec
 from workers.storage import safe_url
 
@@ -107,13 +106,12 @@ class WorkerPool:
         self.actors.clear()
 
 
-def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True) -> dict:
-    """Run (or resume) a job to completion and return its summary."""
+def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True,
+            plan: Plan | None = None) -> dict:
+    """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if not given."""
     started = time.time()
-    for path in filter(None, (config.model.target, config.model.draft if config.model.drafter == "model" else None)):
-        check_model_path(path, config.input.storage_options)
+    plan = plan or plan_job(config)
     state = JobState(config)
-    plan = plan_shards(config)
     resumed = state.claim(overwrite)
     try:
         done = state.committed() if resumed else {}

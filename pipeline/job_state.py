@@ -36,16 +36,18 @@ class OutputConflict(RuntimeError):
     """The output path belongs to another job (or a different config of this one)."""
 
 
-def versions() -> dict[str, str]:
-    """Library versions for _job.json; specbatch itself may run uninstalled (code shipped by `submit`)."""
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
+def installed_version(name: str) -> str:
+    """A distribution's version; specbatch itself may run uninstalled (code shipped by `submit`)."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
+
+def versions() -> dict[str, str]:
+    """Library versions for _job.json."""
     names = ("torch", "transformers", "ray", "pyarrow", "fsspec", "specbatch")
-    return {"python": sys.version.split()[0], **{n: installed(n) for n in names}}
+    return {"python": sys.version.split()[0], **{n: installed_version(n) for n in names}}
 
 
 class JobState:

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
 from workers.config import JobConfig
+from workers.model_paths import check_model_path
 from workers.shard_io import (
     KIND_BY_SUFFIX,
     InputError,
@@ -59,6 +60,14 @@ class _FileRanges(NamedTuple):
 
 class _CorruptFile(Exception):
     """The file is not what its name says (not Parquet, not JSONL)."""
+
+
+def plan_job(config: JobConfig) -> Plan:
+    """Everything checked before Ray and torch start: the models exist, the input lists and has its columns."""
+    model = config.model
+    for path in filter(None, (model.target, model.draft if model.drafter == "model" else None)):
+        check_model_path(path, config.input.storage_options)
+    return plan_shards(config)
 
 
 def plan_shards(config: JobConfig) -> Plan:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs.cli import main
 from tests.pipeline_helpers import prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,3 +42,58 @@ def test_local_run_ignores_a_stale_ray_current_cluster(model_dir, tmp_path, writ
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["rows"] == 4
     assert "Traceback" not in done.stderr
+
+
+def refused_before_heavy_imports(*args: str) -> tuple[int, str]:
+    """Run the CLI in a fresh process; return its exit code and stderr, checking torch and Ray were never imported."""
+    probe = ("import sys; from jobs.cli import main; code = main(sys.argv[1:]); "
+             "heavy = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]; "
+             "print(code, heavy); sys.exit(0)")
+    done = subprocess.run([sys.executable, "-c", probe, *args], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    code, heavy = done.stdout.split(" ", 1)
+    assert heavy.strip() == "[]", f"imported {heavy} before refusing"
+    return int(code), done.stderr
+
+
+def test_bad_configs_and_inputs_are_refused_before_torch_and_ray_load(tmp_path, model_dir):
+    config = tmp_path / "job.yaml"
+    config.write_text(f"input: {{path: {tmp_path / 'missing.jsonl'}}}\noutput: {{path: {tmp_path / 'o'}}}\n"
+                      f"model: {{target: {model_dir}}}\n")
+    code, err = refused_before_heavy_imports("run", str(config), "--set", "generaton.max_new_tokens=3")
+    assert code == 2 and "generaton (from --set): unknown key; did you mean generation?" in err
+    code, err = refused_before_heavy_imports("run", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "no such config file" in err
+    code, err = refused_before_heavy_imports("run", str(config))
+    assert code == 1 and "missing.jsonl: no input files there" in err
+    code, err = refused_before_heavy_imports("run", str(config), "--set", f"model.target={tmp_path / 'gone'}")
+    assert code == 1 and "error: model path" in err and "gone" in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("specbatch ")
+
+
+def test_config_errors_name_every_bad_key_and_no_secret(tmp_path, capsys):
+    config_file = tmp_path / "bad.yaml"
+    config_file.write_text("input: {path: x.jsonl, storage_options: {secret: hunter2}}\noutput: {path: o}\n"
+                           "model: {target: m, drafter: magic}\ngeneration: {temperature: -1, max_new_tokens: 0}\n"
+                           "speculaton: {k: 2}\n")
+    code = main(["run", str(config_file), "--set", "resources.batch_size=zero", "--set", "sharding.rows=3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    for key in ("model.drafter", "generation.temperature", "generation.max_new_tokens", "speculaton",
+                "resources.batch_size (from --set)", "sharding.rows (from --set)"):
+        assert key in err
+    assert "hunter2" not in err
+
+
+def test_a_missing_column_is_named_without_a_traceback(model_dir, tmp_path, write_input, capsys):
+    path = write_input(str(tmp_path / "in.parquet"), prompts(2))
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(f"input: {{path: {path}}}\noutput: {{path: {tmp_path / 'o'}}}\nmodel: {{target: {model_dir}}}\n")
+    assert main(["run", str(config_file), "--set", "input.prompt_column=text"]) == 1
+    err = capsys.readouterr().err
+    assert "in.parquet" in err and "text" in err and "Traceback" not in err

@@ -131,14 +131,25 @@ def test_load_config_with_overrides(tmp_path):
     assert config.sharding.rows_per_shard == 10
 
 
-def test_load_config_reports_every_problem_including_overrides(tmp_path):
-    path = write_yaml(tmp_path, {**MINIMAL, "generation": {"top_p": 2}})
+def test_load_config_reports_every_problem_and_where_it_was_set(tmp_path):
+    path = write_yaml(tmp_path, {**MINIMAL, "generation": {"top_p": 2, "max_new_token": 3}})
     with pytest.raises(ConfigError) as info:
-        load_config(path, ["generation.max_new_tokenz=5", "speculation.k=99", "extra.section=1"])
-    message = str(info.value)
-    assert message.startswith(path)
-    for key in ["generation.top_p", "generation.max_new_tokenz: unknown key", "speculation.k", "extra: unknown key"]:
-        assert key in message
+        load_config(path, ["generation.max_new_tokenz=5", "speculation.k=99", "extra.section=1", "generation.k=2"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid config (6 problems):"
+    for line in [f"generation.top_p (in {path}): ",
+                 f"generation.max_new_token (in {path}): unknown key; did you mean generation.max_new_tokens?",
+                 "generation.max_new_tokenz (from --set): unknown key; did you mean generation.max_new_tokens?",
+                 "speculation.k (from --set): must be between 0 and max_k (8)",
+                 "extra (from --set): unknown key",
+                 "generation.k (from --set): unknown key; did you mean speculation.k?"]:
+        assert any(l.strip().startswith(line) for l in lines), line
+
+
+def test_did_you_mean_only_when_something_is_close():
+    assert "did you mean speculation?" in errors_of({**MINIMAL, "speculaton": {}})
+    assert "did you mean" not in errors_of({**MINIMAL, "zzz": 1})
+    assert "did you mean" not in errors_of({**MINIMAL, "input": {"path": "p", "storage_options": {}, "qqqq": 1}})
 
 
 @pytest.mark.parametrize("override", ["no_equals_sign", "a..b=1", "input.path.sub=1"])
@@ -195,7 +206,7 @@ def test_config_errors_never_show_secret_values(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(write_yaml(tmp_path, data), ["input.storage_options=token-abc"])
     message = str(info.value)
-    assert "input.storage_options" in message and "output.aws_secret: unknown key" in message
+    assert "input.storage_options (from --set)" in message and "unknown key" in message and "output.aws_secret" in message
     for secret in ["hunter2", "s3cr3t", "token-abc"]:
         assert secret not in message
 

