@@ -129,14 +129,10 @@ class Submission:
 
 
 def _warnings(config) -> list[str]:
-    notes = []
-    for label, path in (("input.path", config.input.path), ("output.path", config.output.path)):
-        if not is_remote(path):
-            relative = not os.path.isabs(path.removeprefix("file://"))
-            where = "inside the job's temporary working folder" if relative else "on each node"
-            notes.append(f"{label} {safe_url(path)} is a local path: on the cluster it resolves {where}; "
-                         "use object storage (s3://, gs://) or a filesystem every node mounts")
-    return notes
+    return [f"{label} {safe_url(path)} is a local path, read and written on the cluster's nodes; use object "
+            "storage (s3://, gs://) or a filesystem every node mounts"
+            for label, path in (("input.path", config.input.path), ("output.path", config.output.path))
+            if not is_remote(path)]
 
 
 @contextmanager

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
 from workers.config import JobConfig, validation_message
-from workers.storage import read_bytes, safe_url
+from workers.model_paths import DEMO_MODEL
+from workers.storage import is_remote, read_bytes, safe_url
+
+
+# Config keys that hold a path to local or remote data; relative local ones are relative to the config file.
+PATH_KEYS = ("input.path", "output.path", "model.target", "model.draft")
 
 
 class ConfigError(ValueError):
@@ -19,7 +26,9 @@ class ConfigError(ValueError):
 def load_config(path: str, overrides: list[str] | None = None) -> JobConfig:
     """Read a YAML config (a local path or any fsspec URL), apply `dotted.key=value` overrides, validate.
 
-    Override values are parsed as YAML, so `speculation.k=4`, `input.id_column=null` and
+    Relative local paths in a local config file resolve against the file's folder, so a config works
+    from any working directory; paths given with --set resolve against the working directory, like any
+    command-line path. Override values are parsed as YAML, so `speculation.k=4`, `input.id_column=null` and
     `generation.stop=["\\n"]` give an int, None and a list. Unknown keys, from the file or an
     override, are reported by validation with all other problems in one ConfigError, each naming
     where it was set: the file or --set.
@@ -33,6 +42,8 @@ def load_config(path: str, overrides: list[str] | None = None) -> JobConfig:
         raise ConfigError(f"{shown}: not valid YAML{_yaml_position(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{shown}: the config must be a mapping of sections, not {type(data).__name__}")
+    if not is_remote(path):
+        _resolve_paths(data, Path(path.removeprefix("file://")).expanduser().resolve().parent)
     from_file = copy.deepcopy(data)
     for override in overrides or []:
         apply_override(data, override)
@@ -44,6 +55,17 @@ def load_config(path: str, overrides: list[str] | None = None) -> JobConfig:
             return " (from --set)" if _set_by(key, set_keys, from_file) else f" (in {shown})"
 
         raise ConfigError(validation_message(exc, source)) from None
+
+
+def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
+    """Make the file's relative local paths (PATH_KEYS) absolute, relative to `folder`."""
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        node = data.get(section)
+        value = node.get(name) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not is_remote(value) and value != DEMO_MODEL \
+                and not value.startswith("file://") and not Path(value).expanduser().is_absolute():
+            node[name] = os.path.normpath(folder / value)
 
 
 def _set_by(key: str, set_keys: list[str], from_file: dict[str, Any]) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -10,6 +12,7 @@ from pipeline.config_file import ConfigError, load_config
 from pipeline.job_state import changed_keys, fingerprint
 from workers.config import JobConfig, redacted, template_fields, validation_message
 
+REPO = Path(__file__).resolve().parents[1]
 MINIMAL = {"input": {"path": "s3://bucket/prompts/"}, "output": {"path": "s3://bucket/out/"}, "model": {"target": "m"}}
 
 
@@ -228,3 +231,27 @@ def test_fingerprint_tracks_output_affecting_fields_only():
     assert changed_keys(redacted(base), redacted(same)) == []
     assert changed_keys(redacted(base), redacted(hotter)) == ["generation.temperature"]
     assert changed_keys({"a": {"b": 1}}, {"a": {"c": 1}, "resources": {}}) == ["a.b", "a.c"]
+
+
+def test_relative_paths_resolve_against_the_config_file_and_set_paths_against_the_cwd(tmp_path, monkeypatch):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({"input": {"path": "data/in.jsonl"}, "output": {"path": "../out/"},
+                                    "model": {"target": "~/models/m", "draft": "s3://b/d", "drafter": "model"}}))
+    monkeypatch.chdir(tmp_path / "configs")
+    config = load_config("job.yaml", ["model.draft=drafts/d"])
+    assert config.input.path == str(folder / "data" / "in.jsonl")
+    assert config.output.path == str(tmp_path / "out")
+    assert config.model.target == "~/models/m"  # a home path is not relative to the config
+    assert config.model.draft == "drafts/d"  # --set: as typed, relative to the working directory
+    remote = load_config(str(path), ["input.path=s3://bucket/in/", "model.target=demo:smollm2"])
+    assert remote.input.path == "s3://bucket/in/" and remote.model.target == "demo:smollm2"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "synthetic.yaml"])
+def test_shipped_configs_work_from_any_folder(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(str(REPO / "configs" / name))
+    assert Path(config.input.path).is_file()
+    assert Path(config.output.path).parent == REPO / "out"
