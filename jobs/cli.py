@@ -11,6 +11,9 @@ from pipeline.config_file import ConfigError, load_config
 from pipeline.job_state import installed_version
 
 
+EXIT_FAILED_ROWS = 3  # the job finished (_SUCCESS written) but more rows failed than output.max_failed_rows
+
+
 def _terminate(signum, frame):
     """SIGTERM (`specbatch stop`, a scheduler) unwinds like Ctrl-C: actors are killed and the output's
     lease released, so the same command can resume at once. Once connected, Ray's driver puts its own
@@ -37,7 +40,13 @@ def _run(args: argparse.Namespace) -> int:
         summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet, plan=plan)
     except (*expected, ResourceError, JobFailed) as exc:
         return _error(exc)
-    print(json.dumps(summary, indent=2) if args.json else _describe(summary))
+    print(json.dumps(summary, indent=2) if args.json else describe(summary))
+    failed, allowed = summary["job"]["failed_rows"], config.output.max_failed_rows
+    if failed > allowed:
+        print(f"error: {failed} rows failed (output.max_failed_rows is {allowed}); they are listed in "
+              f"{summary['output'].rstrip('/')}/errors.parquet, which a retry job can take as its input",
+              file=sys.stderr)
+        return EXIT_FAILED_ROWS
     return 0
 
 
@@ -96,12 +105,18 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(summary: dict) -> str:
-    return (f"{summary['rows']} rows, {summary['generated_tokens']} tokens in {summary['wall_s']:.1f}s "
-            f"({summary['tokens_per_s']:.1f} tokens/s), acceptance {summary['acceptance_rate']:.2f}, "
-            f"{summary['mean_accepted_per_pass']:.2f} tokens per target pass, {summary['shards']} shards "
-            f"({summary['shards_skipped']} resumed), {summary['failed_rows']} failed rows\n"
-            f"output: {summary['output']}")
+def describe(summary: dict) -> str:
+    """The closing lines of `specbatch run`: the whole job's figures, then this run's."""
+    job, run = summary["job"], summary["this_run"]
+    lines = [f"nothing to do: all {job['shards']} shards were already committed"] if not run["shards_run"] else []
+    lines.append(f"job: {job['rows']} rows ({job['failed_rows']} failed), {job['generated_tokens']} tokens, "
+                 f"{job['tokens_per_s']:.1f} tokens/s while generating; {job['tokens_per_row_pass']:.2f} tokens per "
+                 f"row per target pass (batch: {job['batch_tokens_per_pass']:.2f}), acceptance {job['acceptance_rate']:.2f}")
+    if run["shards_run"]:
+        lines.append(f"this run: {run['shards_run']} shards ({run['shards_resumed']} resumed), {run['generated_tokens']} "
+                     f"tokens in {run['wall_s']:.1f}s ({run['tokens_per_s']:.1f} tokens/s end to end)")
+    lines.append(f"output: {summary['output']}")
+    return "\n".join(lines)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -15,11 +15,12 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from tqdm import tqdm
 
-from pipeline.job_state import JobState
+from pipeline.job_state import HEARTBEAT_S, JobState
 from pipeline.planner import Plan, plan_job
-from pipeline.report import summarize, write_report
+from pipeline.summary import RunInfo, summarize, write_closing_files
 from workers.actor import GenerationWorker
 from workers.config import JobConfig
+from workers.schemas import ShardStats
 from workers.shard_io import ShardSpec
 from workers.storage import safe_url
 
@@ -109,26 +110,28 @@ class WorkerPool:
 def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True,
             plan: Plan | None = None) -> dict:
     """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if not given."""
-    started = time.time()
     plan = plan or plan_job(config)
     state = JobState(config)
     resumed = state.claim(overwrite)
     try:
-        done = state.committed() if resumed else {}
+        planned = {spec.shard_id for spec in plan.shards}
+        done = {k: s for k, s in state.committed().items() if k in planned} if resumed else {}
         todo = deque((spec, 1) for spec in plan.shards if spec.shard_id not in done)
-        stats = [{**s, "skipped": True} for s in done.values() if s["shard_id"] in {p.shard_id for p in plan.shards}]
+        stats = list(done.values())
         if todo:
             connect(address)
             stats += _dispatch(config, state, todo, len(plan.shards), len(stats), progress)
-        summary = summarize(stats, time.time() - started, len(done), safe_url(config.output.path))
+        run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done))
+        summary = summarize(stats, run, safe_url(config.output.path))
         summary["skipped_files"] = [f._asdict() for f in plan.skipped_files]
-        write_report(state, stats, summary)
+        write_closing_files(state.store, stats, summary)
         return summary
     finally:
         state.release()
 
 
-def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipped: int, progress: bool) -> list[dict]:
+def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipped: int,
+              progress: bool) -> list[ShardStats]:
     """Keep every actor busy with one shard at a time until the queue is empty."""
     pool = WorkerPool(config, worker_shape(config, ray.cluster_resources()))
     try:  # a worker that cannot load its models fails the job now, with the worker's own error
@@ -140,36 +143,34 @@ def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipp
     running: dict[ray.ObjectRef, tuple[str, ShardSpec, int]] = {}
     idle, results, failures = deque(pool.actors), [], []
     bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=config.name)
-    generated, t0, last_beat = 0, time.time(), time.time()
+    generated, t0 = 0, time.time()
     try:
         while todo or running:
             while todo and idle:
                 worker_id = idle.popleft()
                 spec, attempt = todo.popleft()
-                running[pool.actors[worker_id].run_shard.remote(spec, attempt)] = (worker_id, spec, attempt)
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=10.0)
-            if time.time() - last_beat > 30:
-                state.heartbeat()
-                last_beat = time.time()
+                running[pool.actors[worker_id].run_shard.remote(spec, attempt, state.run_id)] = (worker_id, spec, attempt)
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=HEARTBEAT_S / 3)
+            state.heartbeat_if_due()
             for ref in ready:
                 worker_id, spec, attempt = running.pop(ref)
                 try:
-                    result = ray.get(ref)
+                    result: ShardStats = ray.get(ref)
                 except _WORKER_DEATHS as exc:
                     log.warning("%s died running %s (attempt %d): %s", worker_id, spec.shard_id, attempt, exc)
                     idle.append(pool.replace(worker_id))
-                    _retry(config, todo, failures, spec, attempt, f"worker died: {exc}")
+                    _retry(config, state, todo, failures, spec, attempt, worker_id, f"worker died: {exc}")
                     continue
                 except Exception as exc:  # the shard itself failed (storage down, bad file): retry elsewhere
                     log.warning("%s failed on %s (attempt %d): %s", spec.shard_id, worker_id, attempt, exc)
                     idle.append(worker_id)
-                    _retry(config, todo, failures, spec, attempt, str(exc))
+                    _retry(config, state, todo, failures, spec, attempt, worker_id, str(exc))
                     continue
                 idle.append(worker_id)
                 results.append(result)
-                generated += result["generated_tokens"]
+                generated += result.generated_tokens
                 bar.update(1)
-                bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.1f}", rows=sum(r["rows"] for r in results))
+                bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.1f}", rows=sum(r.rows for r in results))
     finally:
         bar.close()
         pool.shutdown()
@@ -178,7 +179,9 @@ def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipp
     return results
 
 
-def _retry(config: JobConfig, todo: deque, failures: list[str], spec: ShardSpec, attempt: int, reason: str) -> None:
+def _retry(config: JobConfig, state: JobState, todo: deque, failures: list[str], spec: ShardSpec, attempt: int,
+           worker_id: str, reason: str) -> None:
+    state.record_retry(spec.shard_id, attempt, worker_id, reason)
     if attempt < config.retries.max_attempts:
         todo.append((spec, attempt + 1))
     else:

@@ -17,19 +17,18 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from workers.config import JobConfig, redacted
-from workers.storage import (
-    exists,
-    join,
-    list_files,
-    on_storage,
-    read_bytes,
-    write_bytes_atomic,
-)
+from workers.schemas import ShardStats
+from workers.storage import Store, read_bytes
 
+LEASE, MANIFEST = "_LEASE.json", "_job.json"
+# What a run writes besides the lease; --overwrite removes it all.
+OUTPUTS = ("data", "stats", "summary.json", "errors.parquet", "report.html", "_SUCCESS", MANIFEST)
+# A live driver rewrites its lease every HEARTBEAT_S; a lease older than LEASE_TTL_S belongs to a dead one.
+HEARTBEAT_S = 30.0
 LEASE_TTL_S = 120.0
 # Sections and keys that change how a job runs but not what it writes: resume ignores them.
 _RUN_ONLY_SECTIONS = ("resources", "retries")
-_RUN_ONLY_KEYS = ("storage_options",)
+_RUN_ONLY_KEYS = ("storage_options", "max_failed_rows")
 
 
 class OutputConflict(RuntimeError):
@@ -51,20 +50,14 @@ def versions() -> dict[str, str]:
 
 
 class JobState:
+    """One run's view of its output folder: claims it, keeps the lease fresh, lists what is committed."""
+
     def __init__(self, config: JobConfig):
         self.config = config
-        self.root, self.options = config.output.path, config.output.storage_options
+        self.store = Store(config.output.path, config.output.storage_options)
         self.run_id = uuid.uuid4().hex[:12]
-
-    def url(self, *parts: str) -> str:
-        return join(self.root, *parts)
-
-    def read_json(self, *parts: str) -> dict | None:
-        url = self.url(*parts)
-        return json.loads(read_bytes(url, self.options)) if exists(url, self.options) else None
-
-    def write_json(self, data: dict, *parts: str) -> None:
-        write_bytes_atomic(self.url(*parts), json.dumps(data, indent=2, default=str).encode(), self.options)
+        self.started = time.time()
+        self.last_beat = 0.0
 
     def claim(self, overwrite: bool) -> bool:
         """Take the output path for this run; returns whether a previous run's shards may be resumed.
@@ -72,31 +65,27 @@ class JobState:
         Refuses a path that a live job holds (fresh lease) or that holds another config's output,
         unless `overwrite`, which clears the old output first.
         """
-        lease = self.read_json("_LEASE.json")
+        lease = self.store.read_json(LEASE)
         if lease and _alive(lease):
-            raise OutputConflict(f"{self.root} is being written by a live job (run {lease['run_id']} on "
+            raise OutputConflict(f"{self.store.root} is being written by a live job (run {lease['run_id']} on "
                                  f"{lease['host']}, last seen {time.time() - lease['heartbeat']:.0f}s ago)")
-        manifest = self.read_json("_job.json")
+        manifest = self.store.read_json(MANIFEST)
         if manifest and manifest["fingerprint"] != fingerprint(self.config):
             if not overwrite:
                 changed = changed_keys(manifest["config"], redacted(self.config))
-                raise OutputConflict(f"{self.root} holds the output of a different config (changed: "
+                raise OutputConflict(f"{self.store.root} holds the output of a different config (changed: "
                                      f"{', '.join(changed) or 'unknown'}); use another output path or --overwrite")
         if overwrite and manifest:
-            self.clear()
+            for part in OUTPUTS:
+                self.store.delete(part)
             manifest = None
         self.remove_partials()
         self.heartbeat()
-        self.write_json({"name": self.config.name, "fingerprint": fingerprint(self.config),
-                         "config": redacted(self.config), "versions": versions(),
-                         "started": (manifest or {}).get("started", time.time()), "run_id": self.run_id}, "_job.json")
+        self.store.write_json({"name": self.config.name, "fingerprint": fingerprint(self.config),
+                               "config": redacted(self.config), "versions": versions(),
+                               "started": (manifest or {}).get("started", self.started), "run_id": self.run_id,
+                               "run_started": self.started}, MANIFEST)
         return manifest is not None
-
-    def clear(self) -> None:
-        for part in ("data", "stats", "summary.json", "_SUCCESS", "_job.json"):
-            url = self.url(part)
-            if exists(url, self.options):
-                on_storage(url, self.options, lambda fs, path: fs.rm(path, recursive=True), "delete")
 
     def remove_partials(self) -> None:
         """Delete temporary files a killed run left behind (local writes only: an object PUT is never partial)."""
@@ -105,26 +94,39 @@ class JobState:
                 for leftover in [p for p in fs.find(path) if p.rsplit("/", 1)[-1].startswith(".") and p.endswith(".tmp")]:
                     fs.rm(leftover)
 
-        on_storage(self.root, self.options, sweep, "clean")
+        self.store.apply(sweep, "clean")
 
     def heartbeat(self) -> None:
-        self.write_json({"run_id": self.run_id, "host": platform.node(), "pid": os.getpid(), "heartbeat": time.time()},
-                        "_LEASE.json")
+        self.store.write_json({"run_id": self.run_id, "host": platform.node(), "pid": os.getpid(),
+                               "heartbeat": time.time()}, LEASE)
+        self.last_beat = time.time()
+
+    def heartbeat_if_due(self) -> None:
+        if time.time() - self.last_beat >= HEARTBEAT_S:
+            self.heartbeat()
 
     def release(self) -> None:
-        url = self.url("_LEASE.json")
-        if exists(url, self.options):
-            on_storage(url, self.options, lambda fs, path: fs.rm(path), "delete")
+        self.store.delete(LEASE)
 
-    def committed(self) -> dict[str, dict]:
-        """Stats of every committed shard (data file and stats part both present), by shard id."""
-        data = {u.rsplit("/", 1)[-1].removesuffix(".parquet") for u in list_files(self.url("data"), self.options, [".parquet"])}
-        parts = {}
-        for url in list_files(self.url("stats", "parts"), self.options, [".json"]):
-            shard_id = url.rsplit("/", 1)[-1].removesuffix(".json")
-            if shard_id in data:
-                parts[shard_id] = json.loads(read_bytes(url, self.options))
-        return parts
+    def record_retry(self, shard_id: str, attempt: int, worker_id: str, reason: str) -> None:
+        """Keep a failed attempt for the report (one file each: runs add to them, never rewrite)."""
+        self.store.write_json({"shard_id": shard_id, "attempt": attempt, "worker_id": worker_id, "reason": reason,
+                               "at": time.time(), "run_id": self.run_id},
+                              "stats", "retries", f"{shard_id}-attempt{attempt}-{self.run_id}.json")
+
+    def committed(self) -> dict[str, ShardStats]:
+        return committed_shards(self.store)
+
+
+def committed_shards(store: Store) -> dict[str, ShardStats]:
+    """Stats of every committed shard (data file and stats part both present), by shard id."""
+    data = {u.rsplit("/", 1)[-1].removesuffix(".parquet") for u in store.list("data", suffixes=[".parquet"])}
+    parts = {}
+    for url in store.list("stats", "parts", suffixes=[".json"]):
+        shard_id = url.rsplit("/", 1)[-1].removesuffix(".json")
+        if shard_id in data:
+            parts[shard_id] = ShardStats.from_dict(json.loads(read_bytes(url, store.options)))
+    return parts
 
 
 def _alive(lease: dict) -> bool:

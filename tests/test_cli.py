@@ -40,7 +40,7 @@ def test_local_run_ignores_a_stale_ray_current_cluster(model_dir, tmp_path, writ
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout)["rows"] == 4
+    assert json.loads(done.stdout)["job"]["rows"] == 4
     assert "Traceback" not in done.stderr
 
 

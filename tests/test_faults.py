@@ -61,7 +61,7 @@ def _resume_and_check(command: list[str], out, model_dir: str, committed: set[st
     second = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr[-2000:]
     summary = json.loads(second.stdout)
-    assert summary["shards_skipped"] >= len(committed) and summary["shards"] == 8
+    assert summary["this_run"]["shards_resumed"] >= len(committed) and summary["job"]["shards"] == 8
     assert not [p for p in out.rglob("*") if p.name.startswith(".")], "a partial file of the killed run is visible"
     assert_exactly_once(make_config(model_dir, str(out.parent / "in.jsonl"), str(out)), [f"p{i}" for i in range(16)])
 
@@ -119,5 +119,6 @@ def test_s3_outage_mid_job_is_retried_and_loses_nothing(model_dir, restartable_s
     summary = run_job(config, progress=False)
     thread.join()
     assert "restarted" in outage
-    assert summary["shards"] == 8
+    assert outage["stopped"] < summary["job"]["finished_at"], "the job ended before the outage began"
+    assert summary["job"]["shards"] == 8
     assert_exactly_once(config, [f"p{i}" for i in range(16)])

@@ -104,6 +104,7 @@ class OutputConfig(_Section):
     path: str
     storage_options: dict[str, Any] = Field(default_factory=dict)
     keep_columns: list[str] = Field(default_factory=list)
+    max_failed_rows: int = Field(0, ge=0)
 
     @field_validator("keep_columns")
     @classmethod
