@@ -2,7 +2,8 @@
 
 Workers load each model once. GGUF files (like the bundled SmolLM2 demo model) are dequantized once
 and cached as safetensors, because transformers' GGUF path takes tens of seconds per load; folders in
-object storage are copied once per node into the same cache, keyed by path, size and etag.
+object storage are copied once per node into the same cache, keyed by path, size and etag. GGUF
+conversions are keyed by the file's content, so clones and virtualenvs share them.
 """
 from __future__ import annotations
 
@@ -37,10 +38,19 @@ def _key(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where a GGUF file's conversion lives, keyed by the file's content: every checkout, venv or copy of
+    the same file shares one conversion, and a changed file gets a new one."""
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 20):  # ~0.2 s for the 98 MB demo model
+            digest.update(chunk)
+    return cache_root() / "models" / f"{gguf.stem}-{_key(gguf.stat().st_size, digest.hexdigest())}"
+
+
 def _convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file once into a safetensors folder (model and tokenizer) and return it."""
-    stat = gguf.stat()
-    out = cache_root() / "models" / f"{gguf.stem}-{_key(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)}"
+    out = gguf_cache_dir(gguf)
     if (out / "_COMPLETE").exists():
         return out
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
