@@ -37,7 +37,8 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet, plan=plan)
+        summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet, plan=plan,
+                          verbose=args.verbose)
     except (*expected, ResourceError, JobFailed) as exc:
         return _error(exc)
     print(json.dumps(summary, indent=2) if args.json else describe(summary))
@@ -136,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None,
                      help="attach to a running Ray cluster ('auto', or the head's HOST:PORT) instead of starting one")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--verbose", action="store_true", help="log Ray's and the workers' own messages and progress bars")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.set_defaults(func=_run)
 
@@ -174,8 +176,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -26,6 +26,8 @@ from workers.storage import safe_url
 
 log = logging.getLogger(__name__)
 _WORKER_DEATHS = (RayActorError, ActorDiedError, ActorUnavailableError)
+# Workers' environment unless --verbose: no progress bars (model conversion, "Loading weights", ...).
+QUIET_WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 class ResourceError(RuntimeError):
@@ -44,7 +46,7 @@ class WorkerShape:
     memory: int | None
 
 
-def connect(address: str | None) -> None:
+def connect(address: str | None, verbose: bool = False) -> None:
     """Attach to the cluster at `address`, or start a private local one.
 
     Without an address Ray would attach to whatever /tmp/ray/ray_current_cluster names (a live or
@@ -53,11 +55,12 @@ def connect(address: str | None) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_level=logging.INFO if verbose else logging.WARNING)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster for this process: no token to set up
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+             logging_level=logging.INFO if verbose else logging.WARNING)
 
 
 def worker_shape(config: JobConfig, cluster: dict[str, float]) -> WorkerShape:
@@ -79,10 +82,12 @@ def worker_shape(config: JobConfig, cluster: dict[str, float]) -> WorkerShape:
 class WorkerPool:
     """Actors by id; a dead one is replaced by a fresh actor with a new id."""
 
-    def __init__(self, config: JobConfig, shape: WorkerShape):
+    def __init__(self, config: JobConfig, shape: WorkerShape, verbose: bool = False):
         self.config, self.shape, self.created = config, shape, 0
         options = {"num_cpus": shape.cpus, "num_gpus": shape.gpus, "scheduling_strategy": "SPREAD",
                    "max_restarts": 0, "max_task_retries": 0}
+        if not verbose:  # Ray forwards every redraw of a worker's progress bar as a new line
+            options["runtime_env"] = {"env_vars": QUIET_WORKER_ENV}
         if shape.memory:
             options["memory"] = shape.memory
         self.actor_class = ray.remote(GenerationWorker).options(**options)
@@ -108,7 +113,7 @@ class WorkerPool:
 
 
 def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True,
-            plan: Plan | None = None) -> dict:
+            plan: Plan | None = None, verbose: bool = False) -> dict:
     """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if not given."""
     plan = plan or plan_job(config)
     state = JobState(config)
@@ -119,8 +124,8 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
         todo = deque((spec, 1) for spec in plan.shards if spec.shard_id not in done)
         stats = list(done.values())
         if todo:
-            connect(address)
-            stats += _dispatch(config, state, todo, len(plan.shards), len(stats), progress)
+            connect(address, verbose)
+            stats += _dispatch(config, state, todo, len(plan.shards), len(stats), progress, verbose)
         run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done))
         summary = summarize(stats, run, safe_url(config.output.path))
         summary["skipped_files"] = [f._asdict() for f in plan.skipped_files]
@@ -131,9 +136,9 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
 
 
 def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipped: int,
-              progress: bool) -> list[ShardStats]:
+              progress: bool, verbose: bool) -> list[ShardStats]:
     """Keep every actor busy with one shard at a time until the queue is empty."""
-    pool = WorkerPool(config, worker_shape(config, ray.cluster_resources()))
+    pool = WorkerPool(config, worker_shape(config, ray.cluster_resources()), verbose)
     try:  # a worker that cannot load its models fails the job now, with the worker's own error
         devices = ray.get([actor.device.remote() for actor in pool.actors.values()])
     except _WORKER_DEATHS as exc:
