@@ -1,8 +1,9 @@
 """Jobs on a Ray cluster through Ray's Jobs API: submit a config, then status, logs, stop and list.
 
 `submit` validates the config here, then hands the cluster's job scheduler an entrypoint,
-`python -m jobs.cli run CONFIG --address auto [--set k=v ...]`, with a runtime environment that
-carries the code and the config:
+`python -m jobs.envcheck && python -m jobs.cli run CONFIG --address auto [--set k=v ...]` (the check
+names any missing package and how to install it), with a runtime environment that carries the code
+and the config:
 
 - py_modules: the `pipeline`, `workers` and `jobs` package folders (only those: never the
   virtualenv, outputs or caches, whether specbatch runs from a checkout or an installed wheel);
@@ -37,6 +38,7 @@ import yaml
 
 from pipeline.config_file import ConfigError, load_config
 from workers.config import is_secret_key
+from workers.model_paths import DEMO_MODEL
 from workers.storage import is_remote, safe_url
 
 PACKAGES = ("pipeline", "workers", "jobs")
@@ -169,6 +171,7 @@ def prepared(config_path: str, overrides: list[str], overwrite: bool = False,
             target = local.name
             shutil.copyfile(local, staging / target)
             runtime_env["working_dir"] = str(staging)
+        check = ["python", "-m", "jobs.envcheck"] + (["--demo"] if config and config.model.target == DEMO_MODEL else [])
         args = ["python", "-m", "jobs.cli", "run", target, "--address", "auto"]
         for override in overrides:
             args += ["--set", override]
@@ -177,7 +180,8 @@ def prepared(config_path: str, overrides: list[str], overwrite: bool = False,
         metadata = {"specbatch": "1", "config": name}
         if config:
             metadata["output"] = safe_url(config.output.path)
-        yield Submission(submission_id(name), shlex.join(args), runtime_env, metadata, warnings)
+        entrypoint = f"{shlex.join(check)} && {shlex.join(args)}"  # missing packages: one clear message first
+        yield Submission(submission_id(name), entrypoint, runtime_env, metadata, warnings)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

