@@ -37,7 +37,7 @@ from typing import Any, TextIO
 import yaml
 
 from pipeline.config_file import ConfigError, load_config
-from workers.config import is_secret_key
+from workers.config import is_secret, redact
 from workers.model_paths import DEMO_MODEL
 from workers.storage import is_remote, safe_url
 
@@ -85,23 +85,18 @@ def submission_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def _has_secret(key: str, value: Any) -> bool:
-    """Whether a value under `key` holds a secret (numbers under key-ish names, like max_new_tokens, do not)."""
-    if isinstance(value, dict):
-        return any(_has_secret(str(k), v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_secret(key, v) for v in value)
-    return is_secret_key(key) and value is not None and not isinstance(value, (bool, int, float))
-
-
 def check_overrides(overrides: list[str]) -> None:
+    """Refuse --set values that redaction would hide: the job's command line is shown in plain text."""
     for override in overrides:
         key, _, text = override.partition("=")
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             continue  # load_config reports it
-        if _has_secret(key.rsplit(".", 1)[-1], value) or any(is_secret_key(p) for p in key.split(".")[:-1]):
+        nested = value
+        for part in reversed(key.strip().split(".")):
+            nested = {part: nested}
+        if redact(nested) != nested:
             raise ClusterError(f"--set {key}: refusing to put a secret on the job's command line (shown by "
                                "`ray job list` and the dashboard); put it in the config's storage_options "
                                "or give the cluster its own credentials")
@@ -114,7 +109,7 @@ def job_env(extra: list[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ClusterError(f"--env {item!r}: expected KEY=VALUE")
-        if is_secret_key(key):
+        if is_secret(key, value):
             raise ClusterError(f"--env {key}: refusing to put a secret in the job's runtime environment (shown "
                                "by `ray job list` and the dashboard); give the cluster its own credentials")
         env[key] = value

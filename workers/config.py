@@ -184,9 +184,10 @@ class JobConfig(_Section):
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
 
 
-def is_secret_key(key: str) -> bool:
-    """Whether a key's value must never be shown (key, secret, token, password, ...)."""
-    return bool(_SECRET_KEY.search(key))
+def is_secret(key: str, value: Any) -> bool:
+    """Whether a value must never be shown: text (or a section) under a key that names a secret (key, secret,
+    token, password, ...). Numbers and flags under such names (max_new_tokens) are settings."""
+    return bool(_SECRET_KEY.search(key)) and value is not None and not isinstance(value, (bool, int, float))
 
 
 def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
@@ -203,7 +204,7 @@ def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
         else:
             reason = e["msg"].removeprefix("Value error, ")
             value = e.get("input")
-            private = any(is_secret_key(p) or p == "storage_options" for p in loc)
+            private = "storage_options" in loc or any(is_secret(p, value) for p in loc)
             if isinstance(value, (str, int, float)) and not private:
                 reason += f" (got {safe_url(value) if isinstance(value, str) else value!r})"
         problems.append((".".join(loc) or "(config)", reason))
@@ -239,16 +240,17 @@ def _did_you_mean(loc: list[str]) -> str:
 
 def redacted(config: JobConfig) -> dict[str, Any]:
     """The config as plain JSON-able data, safe for logs, _job.json and error messages."""
-    return _redact(config.model_dump(mode="json"))
+    return redact(config.model_dump(mode="json"))
 
 
-def _redact(value: Any, key: str = "") -> Any:
-    if is_secret_key(key) and value is not None and not isinstance(value, (bool, int, float)):
-        return REDACTED  # numbers under such keys (max_new_tokens) are settings, not secrets
+def redact(value: Any, key: str = "") -> Any:
+    """Plain data with every secret replaced by *** and passwords taken out of URLs."""
+    if is_secret(key, value):
+        return REDACTED
     if isinstance(value, dict):
-        return {k: _redact(v, str(k)) for k, v in value.items()}
+        return {k: redact(v, str(k)) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redact(v) for v in value]
+        return [redact(v) for v in value]
     if isinstance(value, str):
         return safe_url(value)
     return value
