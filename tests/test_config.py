@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.config_file import ConfigError, load_config
+from pipeline.config_reference import HEADER, reference_table
 from pipeline.job_state import changed_keys, fingerprint
 from workers.config import JobConfig, redacted, template_fields, validation_message
 
@@ -28,33 +29,12 @@ def errors_of(data: dict) -> str:
     return validation_message(info.value)
 
 
-def test_defaults():
+def test_defaults_pass_their_own_validation_and_writing_them_out_changes_nothing():
     config = JobConfig.model_validate(MINIMAL)
-    assert config.name == "demo"
-    assert config.input.model_dump() == {
-        "path": "s3://bucket/prompts/",
-        "prompt_column": "prompt",
-        "messages_column": None,
-        "id_column": "id",
-        "template": None,
-        "storage_options": {},
-        "overlong": "truncate",
-        "on_bad_file": "fail",
-        "duplicate_ids": "error",
-    }
-    assert config.output.keep_columns == [] and config.output.storage_options == {}
-    assert config.model.model_dump() == {
-        "target": "m", "draft": None, "drafter": "ngram", "dtype": "auto", "trust_remote_code": False,
-    }
-    assert config.generation.model_dump() == {
-        "max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
-        "samples_per_prompt": 1, "stop": [], "chat_template": True,
-    }
-    assert config.speculation.model_dump() == {"k": "adaptive", "max_k": 8, "ngram_size": 3}
-    assert config.resources.model_dump() == {
-        "workers": 1, "gpus_per_worker": "auto", "cpus_per_worker": 1, "memory": None, "batch_size": 16,
-    }
-    assert config.sharding.rows_per_shard == 256 and config.retries.max_attempts == 3
+    spelled_out = yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json")))  # every default written out
+    assert set(spelled_out) == set(JobConfig.model_fields)
+    again = JobConfig.model_validate(spelled_out)
+    assert again == config and fingerprint(again) == fingerprint(config)  # so a resume sees no change
 
 
 def test_one_message_names_every_bad_key():
@@ -255,3 +235,10 @@ def test_shipped_configs_work_from_any_folder(name, tmp_path, monkeypatch):
     config = load_config(str(REPO / "configs" / name))
     assert Path(config.input.path).is_file()
     assert Path(config.output.path).parent == REPO / "out"
+
+
+def test_the_readme_config_table_is_generated_from_the_field_descriptions():
+    readme = (REPO / "README.md").read_text()
+    start = readme.index(HEADER)
+    assert readme[start:readme.index("\n\n", start)] == reference_table(), \
+        "README's config table is stale: paste the output of `python -m pipeline.config_reference`"

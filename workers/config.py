@@ -68,15 +68,20 @@ class _Section(BaseModel):
 
 
 class InputConfig(_Section):
-    path: str
-    prompt_column: str | None = "prompt"
-    messages_column: str | None = None
-    id_column: str | None = "id"
-    template: str | None = None
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    overlong: Literal["truncate", "error"] = "truncate"
-    on_bad_file: Literal["fail", "skip"] = "fail"
-    duplicate_ids: Literal["error", "suffix"] = "error"
+    path: str = Field(description="a file, folder (recursive) or glob; `.parquet` or `.jsonl`/`.json` by extension")
+    prompt_column: str | None = Field("prompt", description="plain-text prompt column")
+    messages_column: str | None = Field(None, description="instead: a list of `{role, content}` chat messages")
+    id_column: str | None = Field("id", description="stable row id; `null` derives `file:row` (Parquet) or `file@byte` (JSONL)")
+    template: str | None = Field(None, description='instead: a prompt built from row columns, e.g. `"Summarize:\\n{text}"`')
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to fsspec (`endpoint_url`, `key`, `secret`, `anon`, …); also used for models in object storage")
+    overlong: Literal["truncate", "error"] = Field(
+        "truncate", description="prompts longer than the context: `truncate` (keep the end) or `error` (error row)")
+    on_bad_file: Literal["fail", "skip"] = Field(
+        "fail", description="corrupt / non-Parquet file: `fail` (name it) or `skip` (listed in the summary)")
+    duplicate_ids: Literal["error", "suffix"] = Field(
+        "error", description="a repeated id within a shard: `error` row, or `suffix` (`id#1`)")
 
     @field_validator("template")
     @classmethod
@@ -101,10 +106,11 @@ class InputConfig(_Section):
 
 
 class OutputConfig(_Section):
-    path: str
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    keep_columns: list[str] = Field(default_factory=list)
-    max_failed_rows: int = Field(0, ge=0)
+    path: str = Field(description="where the output goes (see Output)")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the output")
+    keep_columns: list[str] = Field(default_factory=list, description="input columns copied into every output row")
+    max_failed_rows: int = Field(
+        0, ge=0, description="more failed rows than this: exit code 3 (the output and `_SUCCESS` are written all the same)")
 
     @field_validator("keep_columns")
     @classmethod
@@ -118,11 +124,12 @@ class OutputConfig(_Section):
 
 
 class ModelConfig(_Section):
-    target: str
-    draft: str | None = None
-    drafter: Literal["model", "ngram", "none"] = "ngram"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    trust_remote_code: bool = False
+    target: str = Field(description="local folder, `s3://` folder, `.gguf` file, or `demo:smollm2`")
+    draft: str | None = Field(None, description="draft model sharing the target's tokenizer")
+    drafter: Literal["model", "ngram", "none"] = Field("ngram", description="`ngram` (prompt lookup), `model`, or `none`")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="`auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`")
+    trust_remote_code: bool = Field(False, description="passed to transformers")
 
     @model_validator(mode="after")
     def _draft_present(self) -> ModelConfig:
@@ -132,20 +139,22 @@ class ModelConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    samples_per_prompt: int = Field(1, ge=1)
-    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
-    chat_template: bool = True
+    max_new_tokens: int = Field(128, ge=1, description="per completion")
+    temperature: float = Field(0.0, ge=0, description="`0` = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; applied to target and draft alike")
+    top_k: int = Field(0, ge=0, description="`0` = off; applied to target and draft alike")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="each row's seed derives from it, the row id and the sample index")
+    samples_per_prompt: int = Field(1, ge=1, description="completions per row (`sample_index` 0..n-1)")
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, description="stop strings besides the model's EOS (the completion ends before them)")
+    chat_template: bool = Field(True, description="wrap plain prompts in the tokenizer's chat template")
 
 
 class SpeculationConfig(_Section):
-    k: Annotated[int | str, _either("adaptive", int, 0, "an integer")] = "adaptive"
-    max_k: int = Field(8, ge=0, le=64)
-    ngram_size: int = Field(3, ge=1, le=64)
+    k: Annotated[int | str, _either("adaptive", int, 0, "an integer")] = Field(
+        "adaptive", description="`adaptive` or a fixed int (`0` = no speculation)")
+    max_k: int = Field(8, ge=0, le=64, description="largest draft length")
+    ngram_size: int = Field(3, ge=1, le=64, description="longest n-gram the prompt-lookup drafter matches")
 
     @model_validator(mode="after")
     def _k_within_max(self) -> SpeculationConfig:
@@ -155,25 +164,27 @@ class SpeculationConfig(_Section):
 
 
 class ResourcesConfig(_Section):
-    workers: Annotated[int | str, _either("auto", int, 1, "an integer")] = 1
-    gpus_per_worker: Annotated[float | str, _either("auto", (int, float), 0, "a number")] = "auto"
-    cpus_per_worker: float = Field(1, gt=0)
-    memory: int | None = Field(None, gt=0)
-    batch_size: int = Field(16, ge=1)
+    workers: Annotated[int | str, _either("auto", int, 1, "an integer")] = Field(
+        1, description="worker actors, or `auto` (one per GPU)")
+    gpus_per_worker: Annotated[float | str, _either("auto", (int, float), 0, "a number")] = Field(
+        "auto", description="`auto` = 1 when the cluster has GPUs, else CPU")
+    cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per actor; also the actor's torch thread count")
+    memory: int | None = Field(None, gt=0, description="optional bytes per actor")
+    batch_size: int = Field(16, ge=1, description="rows generated together per worker")
 
 
 class ShardingConfig(_Section):
-    rows_per_shard: int = Field(256, ge=1)
+    rows_per_shard: int = Field(256, ge=1, description="rows per shard (JSONL: estimated from the first 64 KiB)")
 
 
 class RetriesConfig(_Section):
-    max_attempts: int = Field(3, ge=1)
+    max_attempts: int = Field(3, ge=1, description="attempts per shard (worker death, storage failure)")
 
 
 class JobConfig(_Section):
     """A whole job; build it with JobConfig.model_validate(dict_from_yaml)."""
 
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="job name (`[A-Za-z0-9_.-]+`)")
     input: InputConfig
     output: OutputConfig
     model: ModelConfig
