@@ -26,17 +26,16 @@ def specbatch(*args: str, env: dict | None = None, timeout: float = 60) -> subpr
 
 
 @pytest.mark.timeout(300)
-def test_local_run_ignores_a_stale_ray_current_cluster_and_is_quiet(model_dir, tmp_path, write_input):
+def test_local_run_ignores_a_stale_ray_current_cluster_and_is_quiet(model_dir, tmp_path, write_input, write_yaml):
     """A `ray start` killed long ago leaves /tmp/ray/ray_current_cluster behind; a local run starts its own Ray."""
     ray_tmp = tempfile.mkdtemp(prefix="sbstale-", dir="/tmp")  # short: Ray's unix sockets live under it
     (Path(ray_tmp) / "ray").mkdir()
     (Path(ray_tmp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")
     path = write_input(str(tmp_path / "in.jsonl"), prompts(4))
-    config = tmp_path / "job.yaml"
-    config.write_text(f"input: {{path: {path}}}\noutput: {{path: {tmp_path / 'out'}}}\nmodel: {{target: {model_dir}}}\n"
-                      "generation: {max_new_tokens: 4}\nresources: {cpus_per_worker: 0.5, batch_size: 4}\n")
+    config = write_yaml({"input": {"path": path}, "output": {"path": str(tmp_path / "out")}, "model": {"target": model_dir},
+                         "generation": {"max_new_tokens": 4}, "resources": {"cpus_per_worker": 0.5, "batch_size": 4}})
     try:
-        done = specbatch("run", str(config), "--quiet", "--json", env={"RAY_TMPDIR": ray_tmp}, timeout=240)
+        done = specbatch("run", config, "--quiet", "--json", env={"RAY_TMPDIR": ray_tmp}, timeout=240)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -56,17 +55,16 @@ def refused_before_heavy_imports(*args: str) -> tuple[int, str]:
     return int(code), done.stderr
 
 
-def test_bad_configs_and_inputs_are_refused_before_torch_and_ray_load(tmp_path, model_dir):
-    config = tmp_path / "job.yaml"
-    config.write_text(f"input: {{path: {tmp_path / 'missing.jsonl'}}}\noutput: {{path: {tmp_path / 'o'}}}\n"
-                      f"model: {{target: {model_dir}}}\n")
-    code, err = refused_before_heavy_imports("run", str(config), "--set", "generaton.max_new_tokens=3")
+def test_bad_configs_and_inputs_are_refused_before_torch_and_ray_load(tmp_path, model_dir, write_yaml):
+    config = write_yaml({"input": {"path": str(tmp_path / "missing.jsonl")}, "output": {"path": str(tmp_path / "o")},
+                         "model": {"target": model_dir}})
+    code, err = refused_before_heavy_imports("run", config, "--set", "generaton.max_new_tokens=3")
     assert code == 2 and "generaton (from --set): unknown key; did you mean generation?" in err
     code, err = refused_before_heavy_imports("run", str(tmp_path / "nope.yaml"))
     assert code == 2 and "no such config file" in err
-    code, err = refused_before_heavy_imports("run", str(config))
+    code, err = refused_before_heavy_imports("run", config)
     assert code == 1 and "missing.jsonl: no input files there" in err
-    code, err = refused_before_heavy_imports("run", str(config), "--set", f"model.target={tmp_path / 'gone'}")
+    code, err = refused_before_heavy_imports("run", config, "--set", f"model.target={tmp_path / 'gone'}")
     assert code == 1 and "error: model path" in err and "gone" in err
 
 
@@ -76,12 +74,11 @@ def test_version(capsys):
     assert done.value.code == 0 and capsys.readouterr().out.startswith("specbatch ")
 
 
-def test_config_errors_name_every_bad_key_and_no_secret(tmp_path, capsys):
-    config_file = tmp_path / "bad.yaml"
-    config_file.write_text("input: {path: x.jsonl, storage_options: {secret: hunter2}}\noutput: {path: o}\n"
-                           "model: {target: m, drafter: magic}\ngeneration: {temperature: -1, max_new_tokens: 0}\n"
-                           "speculaton: {k: 2}\n")
-    code = main(["run", str(config_file), "--set", "resources.batch_size=zero", "--set", "sharding.rows=3"])
+def test_config_errors_name_every_bad_key_and_no_secret(write_yaml, capsys):
+    config_file = write_yaml({"input": {"path": "x.jsonl", "storage_options": {"secret": "hunter2"}},
+                              "output": {"path": "o"}, "model": {"target": "m", "drafter": "magic"},
+                              "generation": {"temperature": -1, "max_new_tokens": 0}, "speculaton": {"k": 2}})
+    code = main(["run", config_file, "--set", "resources.batch_size=zero", "--set", "sharding.rows=3"])
     err = capsys.readouterr().err
     assert code == 2
     for key in ("model.drafter", "generation.temperature", "generation.max_new_tokens", "speculaton",
@@ -90,10 +87,9 @@ def test_config_errors_name_every_bad_key_and_no_secret(tmp_path, capsys):
     assert "hunter2" not in err
 
 
-def test_a_missing_column_is_named_without_a_traceback(model_dir, tmp_path, write_input, capsys):
+def test_a_missing_column_is_named_without_a_traceback(model_dir, tmp_path, write_input, write_yaml, capsys):
     path = write_input(str(tmp_path / "in.parquet"), prompts(2))
-    config_file = tmp_path / "job.yaml"
-    config_file.write_text(f"input: {{path: {path}}}\noutput: {{path: {tmp_path / 'o'}}}\nmodel: {{target: {model_dir}}}\n")
-    assert main(["run", str(config_file), "--set", "input.prompt_column=text"]) == 1
+    config_file = write_yaml({"input": {"path": path}, "output": {"path": str(tmp_path / "o")}, "model": {"target": model_dir}})
+    assert main(["run", config_file, "--set", "input.prompt_column=text"]) == 1
     err = capsys.readouterr().err
     assert "in.parquet" in err and "text" in err and "Traceback" not in err

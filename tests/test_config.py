@@ -17,12 +17,6 @@ REPO = Path(__file__).resolve().parents[1]
 MINIMAL = {"input": {"path": "s3://bucket/prompts/"}, "output": {"path": "s3://bucket/out/"}, "model": {"target": "m"}}
 
 
-def write_yaml(tmp_path, data: dict) -> str:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
-
-
 def errors_of(data: dict) -> str:
     with pytest.raises(ValidationError) as info:
         JobConfig.model_validate(data)
@@ -92,8 +86,8 @@ def test_prompt_source_follows_messages_or_template():
     assert template_fields("no fields") == []
 
 
-def test_load_config_with_overrides(tmp_path):
-    path = write_yaml(tmp_path, {**MINIMAL, "generation": {"temperature": 0.7}})
+def test_load_config_with_overrides(tmp_path, write_yaml):
+    path = write_yaml({**MINIMAL, "generation": {"temperature": 0.7}})
     config = load_config(
         path,
         [
@@ -114,8 +108,8 @@ def test_load_config_with_overrides(tmp_path):
     assert config.sharding.rows_per_shard == 10
 
 
-def test_load_config_reports_every_problem_and_where_it_was_set(tmp_path):
-    path = write_yaml(tmp_path, {**MINIMAL, "generation": {"top_p": 2, "max_new_token": 3}})
+def test_load_config_reports_every_problem_and_where_it_was_set(tmp_path, write_yaml):
+    path = write_yaml({**MINIMAL, "generation": {"top_p": 2, "max_new_token": 3}})
     with pytest.raises(ConfigError) as info:
         load_config(path, ["generation.max_new_tokenz=5", "speculation.k=99", "extra.section=1", "generation.k=2"])
     lines = str(info.value).splitlines()
@@ -136,9 +130,9 @@ def test_did_you_mean_only_when_something_is_close():
 
 
 @pytest.mark.parametrize("override", ["no_equals_sign", "a..b=1", "input.path.sub=1"])
-def test_malformed_overrides(tmp_path, override):
+def test_malformed_overrides(tmp_path, override, write_yaml):
     with pytest.raises(ConfigError, match="--set"):
-        load_config(write_yaml(tmp_path, MINIMAL), [override])
+        load_config(write_yaml(MINIMAL), [override])
 
 
 def test_unreadable_configs(tmp_path):
@@ -180,14 +174,14 @@ def test_redacted_hides_secrets_at_any_depth():
     assert config.input.storage_options == SECRETS  # the config itself keeps them
 
 
-def test_config_errors_never_show_secret_values(tmp_path):
+def test_config_errors_never_show_secret_values(tmp_path, write_yaml):
     data = {
         **MINIMAL,
         "input": {"path": "p", "storage_options": "key=hunter2"},
         "output": {"path": "o", "aws_secret": "s3cr3t"},
     }
     with pytest.raises(ConfigError) as info:
-        load_config(write_yaml(tmp_path, data), ["input.storage_options=token-abc"])
+        load_config(write_yaml(data), ["input.storage_options=token-abc"])
     message = str(info.value)
     assert "input.storage_options (from --set)" in message and "unknown key" in message and "output.aws_secret" in message
     for secret in ["hunter2", "s3cr3t", "token-abc"]:

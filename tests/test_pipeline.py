@@ -9,7 +9,6 @@ import time
 import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
 
 from jobs.cli import describe, main
 from pipeline.driver import JobFailed, run_job
@@ -52,6 +51,8 @@ def test_s3_to_s3_several_files_and_shards(model_dir, s3, write_input):
     assert {s["worker_id"] for s in stats} <= {"worker-000", "worker-001"}
     assert sum(s["generated_tokens"] for s in stats) == job["generated_tokens"] == sum(r["completion_tokens"] for r in rows)
     assert all(s["started_at"] < s["finished_at"] and s["run_id"] == summary["this_run"]["run_id"] for s in stats)
+    report = read_bytes(f"{bucket}/out/run1/report.html", opts).decode()
+    assert report.count("<svg") == 4 and 'class="status finished"' in report and "testing" not in report
     manifest = read_bytes(f"{bucket}/out/run1/_job.json", opts).decode()
     assert "testing" not in manifest and json.loads(manifest)["config"]["input"]["storage_options"]["secret"] == "***"
 
@@ -68,13 +69,12 @@ def test_jsonl_chat_input_with_samples(model_dir, tmp_path, write_input):
     assert json.loads(out[0]["prompt"])[0]["role"] == "system"
 
 
-def test_cli_run_with_overrides(model_dir, tmp_path, write_input, capsys):
+def test_cli_run_with_overrides(model_dir, tmp_path, write_input, write_yaml, capsys):
     path = write_input(str(tmp_path / "in.parquet"), prompts(9))
-    config_file = tmp_path / "job.yaml"
-    config_file.write_text(f"name: cli\ninput: {{path: {path}}}\noutput: {{path: {tmp_path / 'wrong'}}}\n"
-                           f"model: {{target: {model_dir}}}\nresources: {{cpus_per_worker: 0.5}}\n")
+    config_file = write_yaml({"name": "cli", "input": {"path": path}, "output": {"path": str(tmp_path / "wrong")},
+                              "model": {"target": model_dir}, "resources": {"cpus_per_worker": 0.5}})
     out = tmp_path / "right"
-    code = main(["run", str(config_file), "--quiet", "--json", "--set", f"output.path={out}",
+    code = main(["run", config_file, "--quiet", "--json", "--set", f"output.path={out}",
                  "--set", "generation.max_new_tokens=5", "--set", "sharding.rows_per_shard=2",
                  "--set", "speculation.k=3", "--set", "resources.batch_size=3"])
     assert code == 0
@@ -109,16 +109,15 @@ def test_resume_skips_committed_shards_keeps_the_job_figures_and_refuses_changed
     assert run_job(changed, overwrite=True, progress=False)["this_run"]["shards_resumed"] == 0
 
 
-def test_bad_rows_become_error_rows_listed_in_errors_parquet_with_exit_code_3(model_dir, tmp_path, capsys):
+def test_bad_rows_become_error_rows_listed_in_errors_parquet_with_exit_code_3(model_dir, tmp_path, write_yaml, capsys):
     lines = [json.dumps({"id": "ok1", "prompt": "the quick brown fox"}), json.dumps({"id": "null", "prompt": None}),
              "{not json", json.dumps({"id": "empty", "prompt": "  "}), json.dumps({"id": "num", "prompt": 5}),
              json.dumps({"id": "ok2", "prompt": "def add(a, b)"})]
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n")
     config = make_config(model_dir, str(path), str(tmp_path / "out"), sharding={"rows_per_shard": 100})
-    config_file = tmp_path / "job.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    assert main(["run", str(config_file), "--quiet", "--json"]) == 3
+    config_file = write_yaml(config)
+    assert main(["run", config_file, "--quiet", "--json"]) == 3
     summary = json.loads(capsys.readouterr().out)
     rows = {r["id"]: r for r in read_output(config)}
     assert len(rows) == 6 and summary["job"]["failed_rows"] == 4 and (tmp_path / "out" / "_SUCCESS").exists()
@@ -130,7 +129,7 @@ def test_bad_rows_become_error_rows_listed_in_errors_parquet_with_exit_code_3(mo
     errors = pq.read_table(tmp_path / "out" / "errors.parquet").to_pylist()
     assert sorted(e["id"] for e in errors) == sorted(k for k, r in rows.items() if r["error"])
     assert all(e["error"] == rows[e["id"]]["error"] and e["sample_index"] == 0 for e in errors)
-    assert main(["run", str(config_file), "--quiet", "--set", "output.max_failed_rows=4"]) == 0
+    assert main(["run", config_file, "--quiet", "--set", "output.max_failed_rows=4"]) == 0
     assert "nothing to do: all 1 shards were already committed" in capsys.readouterr().out
 
 
