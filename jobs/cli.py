@@ -116,8 +116,19 @@ def describe(summary: dict) -> str:
     if run["shards_run"]:
         lines.append(f"this run: {run['shards_run']} shards ({run['shards_resumed']} resumed), {run['generated_tokens']} "
                      f"tokens in {run['wall_s']:.1f}s ({run['tokens_per_s']:.1f} tokens/s end to end)")
-    lines.append(f"output: {summary['output']}")
+    lines.append(f"output: {summary['output']} (open report.html there for the job report)")
     return "\n".join(lines)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pipeline.report import write_report
+    from workers.storage import Store, StorageError, safe_url
+
+    try:
+        print(safe_url(write_report(Store(args.output))))
+    except (FileNotFoundError, StorageError) as exc:
+        return _error(exc)
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -167,6 +178,9 @@ def parser() -> argparse.ArgumentParser:
     listing = cluster_command("list", "list the specbatch jobs on a cluster", job=False)
     listing.add_argument("--all", action="store_true", help="every job on the cluster, not only specbatch's")
     listing.set_defaults(func=_list)
+    report = sub.add_parser("report", help="rebuild OUTPUT/report.html for a finished, stopped or running job")
+    report.add_argument("output", help="the job's output.path (credentials for object storage come from the environment)")
+    report.set_defaults(func=_report)
     bench = sub.add_parser("bench", help="side-by-side speed benchmark against transformers")
     bench.add_argument("--config", default="configs/bench.yaml")
     bench.add_argument("--quick", action="store_true", help="a few minutes on a laptop CPU")

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pipeline.job_state import HEARTBEAT_S, JobState
 from pipeline.planner import Plan, plan_job
+from pipeline.report import write_report
 from pipeline.summary import RunInfo, summarize, write_closing_files
 from workers.actor import GenerationWorker
 from workers.config import JobConfig
@@ -117,7 +118,7 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
     """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if not given."""
     plan = plan or plan_job(config)
     state = JobState(config)
-    resumed = state.claim(overwrite)
+    resumed = state.claim(overwrite, len(plan.shards))
     try:
         planned = {spec.shard_id for spec in plan.shards}
         done = {k: s for k, s in state.committed().items() if k in planned} if resumed else {}
@@ -125,11 +126,16 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
         stats = list(done.values())
         if todo:
             connect(address, verbose)
-            stats += _dispatch(config, state, todo, len(plan.shards), len(stats), progress, verbose)
+            try:
+                stats += _dispatch(config, state, todo, len(plan.shards), len(stats), progress, verbose)
+            except JobFailed:
+                write_report(state.store)  # what did commit, and every failed attempt
+                raise
         run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done))
         summary = summarize(stats, run, safe_url(config.output.path))
         summary["skipped_files"] = [f._asdict() for f in plan.skipped_files]
         write_closing_files(state.store, stats, summary)
+        write_report(state.store, stats)
         return summary
     finally:
         state.release()

@@ -59,14 +59,14 @@ class JobState:
         self.started = time.time()
         self.last_beat = 0.0
 
-    def claim(self, overwrite: bool) -> bool:
+    def claim(self, overwrite: bool, planned_shards: int) -> bool:
         """Take the output path for this run; returns whether a previous run's shards may be resumed.
 
         Refuses a path that a live job holds (fresh lease) or that holds another config's output,
         unless `overwrite`, which clears the old output first.
         """
         lease = self.store.read_json(LEASE)
-        if lease and _alive(lease):
+        if lease and lease_alive(lease):
             raise OutputConflict(f"{self.store.root} is being written by a live job (run {lease['run_id']} on "
                                  f"{lease['host']}, last seen {time.time() - lease['heartbeat']:.0f}s ago)")
         manifest = self.store.read_json(MANIFEST)
@@ -84,7 +84,7 @@ class JobState:
         self.store.write_json({"name": self.config.name, "fingerprint": fingerprint(self.config),
                                "config": redacted(self.config), "versions": versions(),
                                "started": (manifest or {}).get("started", self.started), "run_id": self.run_id,
-                               "run_started": self.started}, MANIFEST)
+                               "run_started": self.started, "shards_planned": planned_shards}, MANIFEST)
         return manifest is not None
 
     def remove_partials(self) -> None:
@@ -129,7 +129,7 @@ def committed_shards(store: Store) -> dict[str, ShardStats]:
     return parts
 
 
-def _alive(lease: dict) -> bool:
+def lease_alive(lease: dict) -> bool:
     """A lease holds while its heartbeat is fresh, unless its driver ran on this host and is gone
     (a killed driver must not block the rerun that resumes it)."""
     if time.time() - lease["heartbeat"] >= LEASE_TTL_S:
