@@ -260,3 +260,27 @@ def test_leviathan_path_is_reproducible_across_runs_and_batch_sizes(tok, target,
         check_stats(stats, 3)
         assert stats.accepted_tokens > 0
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("drafter_name,k", [("none", 0), ("ngram", 3), ("model", 2)])
+def test_logprobs_are_the_targets_own_whatever_the_drafter(tok, target, draft, prompt_ids, references, drafter_name, k):
+    """Against transformers' raw per-step logits: speculation must not change a single log-probability."""
+    top = 3
+    drafter = make_drafter(drafter_name, draft, references, prompt_ids, len(tok))
+    _, results = run(target, tok, drafter, k, requests_for(prompt_ids), batch_size=3, logprobs=top)
+    for ids, ref, result in zip(prompt_ids, references, results):
+        out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              do_sample=False, max_new_tokens=MAX_NEW, output_logits=True, return_dict_in_generate=True,
+                              pad_token_id=tok.pad_token_id)
+        logp = torch.log_softmax(torch.cat(out.logits).float(), -1)[: len(ref)]
+        assert len(result.logprobs) == len(result.top_logprobs) == len(ref)
+        torch.testing.assert_close(torch.tensor(result.logprobs), logp[torch.arange(len(ref)), torch.tensor(ref)],
+                                   rtol=1e-5, atol=1e-5)
+        best = logp.topk(top, -1)
+        assert [[t for t, _ in pos] for pos in result.top_logprobs] == best.indices.tolist()
+        assert result.top_logprobs[0][0][0] == ref[0]  # greedy: the chosen token is the most likely one
+
+
+def test_no_logprobs_unless_asked(tok, target, prompt_ids):
+    _, results = run(target, tok, NgramDrafter(), 2, requests_for(prompt_ids[:2]))
+    assert all(r.logprobs is None and r.top_logprobs is None for r in results)

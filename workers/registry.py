@@ -88,7 +88,8 @@ def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
     sampling = SamplingParams(g.temperature, g.top_k, g.top_p)
     max_k = s.max_k if s.k == "adaptive" else int(s.k)
     settings = GenerationSettings(max_new_tokens=g.max_new_tokens, sampling=sampling, stop=tuple(g.stop),
-                                  batch_size=config.resources.batch_size, max_k=max_k, overlong=config.input.overlong)
+                                  batch_size=config.resources.batch_size, max_k=max_k, overlong=config.input.overlong,
+                                  logprobs=g.logprobs)
     return SpeculativeGenerator(models.target, models.tokenizer, make_drafter(config.model.drafter, models, s, sampling),
                                 make_controller(s.k, max_k, config.resources.batch_size), settings)
 

@@ -29,6 +29,9 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("drafted_tokens", pa.int32()),
         pa.field("accepted_tokens", pa.int32()),
         pa.field("drafter", pa.string()),
+        # generation.logprobs: the chosen token's log-probability per position, and the most likely tokens'
+        pa.field("logprobs", pa.list_(pa.float32())),
+        pa.field("top_logprobs", pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])))),
     ]
 )
 

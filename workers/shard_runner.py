@@ -93,7 +93,11 @@ class ShardRunner:
                             "finish_reason": done.finish_reason, "error": done.error, "seed": seed,
                             "prompt_tokens": done.prompt_tokens, "target_passes": done.target_passes,
                             "drafted_tokens": done.drafted_tokens, "accepted_tokens": done.accepted_tokens,
-                            "drafter": None if done.error else self.config.model.drafter, **row.keep})
+                            "drafter": None if done.error else self.config.model.drafter,
+                            "logprobs": done.logprobs,
+                            "top_logprobs": None if done.top_logprobs is None else
+                            [[{"token_id": t, "logprob": lp} for t, lp in position] for position in done.top_logprobs],
+                            **row.keep})
         keep = self.config.output.keep_columns
         keep_fields = [pa.field(c, pa.array([r[c] for r in records]).type if records else pa.null()) for c in keep]
         return pa.Table.from_pylist(records, schema=output_schema(keep_fields))

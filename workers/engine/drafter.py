@@ -6,7 +6,7 @@ overrides only the hooks it needs (the base class's are no-ops).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,8 @@ class Row:
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
+    logprobs: list[float] = field(default_factory=list)                    # per generated token, when asked
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def generated(self) -> int:

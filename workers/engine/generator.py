@@ -20,7 +20,7 @@ from workers.engine.controller import Controller, StepRecord
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import Drafter, Proposal, Row
 from workers.engine.live_batch import LiveBatch
-from workers.engine.sampling import SamplingParams, Verdict, verify_greedy, verify_sampled
+from workers.engine.sampling import SamplingParams, Verdict, token_logprobs, verify_greedy, verify_sampled
 from workers.engine.stats import GenerationStats
 
 
@@ -41,6 +41,8 @@ class Completion:
     target_passes: int = 0          # verify passes this row took part in
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    logprobs: list[float] | None = None                    # per token, when GenerationSettings.logprobs is set
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(kw_only=True)
@@ -51,6 +53,7 @@ class GenerationSettings:
     batch_size: int = 16
     max_k: int = 8
     overlong: str = "truncate"      # truncate (keep the prompt's end) | error
+    logprobs: int | None = None     # None: none; N: each token's log-probability and the N most likely
 
 
 @dataclass
@@ -188,6 +191,10 @@ class SpeculativeGenerator:
             verdict = verify_sampled(logits, drafts.to(device), lens.to(device), s.sampling,
                                      [r.seed for r in batch.rows], [r.generated for r in batch.rows], probs)
         self.drafter.verified(batch.rows, hidden, verdict.accepted)
+        if s.logprobs is not None:
+            for row, (chosen, tops) in zip(batch.rows, token_logprobs(logits, verdict.tokens, s.logprobs)):
+                row.logprobs += chosen
+                row.top_logprobs += tops
         return verdict, lens.tolist(), width
 
     def _accept(self, batch: LiveBatch, verdict: Verdict, results: list[Completion | None], stats: GenerationStats) -> None:
@@ -225,10 +232,12 @@ class SpeculativeGenerator:
             return None
         return self._completion(row, self.tokenizer.decode(generated, skip_special_tokens=True), reason)
 
-    @staticmethod
-    def _completion(row: Row, text: str, reason: str) -> Completion:
-        return Completion(row.tokens[row.prompt_len :], text, reason, None, row.prompt_len, row.target_passes,
-                          row.drafted, row.accepted)
+    def _completion(self, row: Row, text: str, reason: str) -> Completion:
+        tokens = row.tokens[row.prompt_len :]
+        logprobs = None if self.settings.logprobs is None else row.logprobs[: len(tokens)]
+        tops = None if self.settings.logprobs is None else row.top_logprobs[: len(tokens)]
+        return Completion(tokens, text, reason, None, row.prompt_len, row.target_passes, row.drafted, row.accepted,
+                          logprobs, tops)
 
     def _stop_cut(self, generated: list[int], before: int) -> tuple[int, str] | None:
         """If a stop string appeared, the fewest tokens that contain it and the text before it.
