@@ -8,7 +8,7 @@ every reader sees the same halves.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ class SuitePrompt:
     category: str
     split: str
     prompt: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, str]] | None = field(hash=False)  # a list is unhashable; the id identifies the row
 
     def chat(self) -> list[dict[str, str]]:
         """The row as chat messages, what a worker feeds the tokenizer's chat template."""

@@ -37,8 +37,8 @@ def test_every_category_loads_with_enough_prompts(suite):
         assert all(p.category == category for p in prompts)
     assert all(p.messages and p.prompt is None for p in suite["multi_turn"])
     assert all(p.prompt and p.messages is None for c in CATEGORIES if c != "multi_turn" for p in suite[c])
-    ids = [p.id for prompts in suite.values() for p in prompts]
-    assert len(ids) == len(set(ids))
+    everything = [p for prompts in suite.values() for p in prompts]
+    assert len({p.id for p in everything}) == len(set(everything)) == len(everything)   # hashable, ids unique
 
 
 def test_split_is_tune_or_report_and_balanced(suite):
