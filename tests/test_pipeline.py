@@ -147,13 +147,17 @@ def test_bad_rows_become_error_rows(model_dir, tmp_path):
 
 
 def _generating_worker_pids() -> list[int]:
-    """Worker actors of this test's Ray, caught inside run_shard (Ray titles the process by the method it runs)."""
+    """Worker actors of this test's own Ray (descendants of this process, never another job's on the machine),
+    caught inside run_shard (Ray titles the process by the method it runs)."""
     import psutil
 
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if (proc.info["cmdline"] or [""])[0].startswith("ray::GenerationWorker.run_shard"):
-            found.append(proc.pid)
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if (proc.cmdline() or [""])[0].startswith("ray::GenerationWorker.run_shard"):
+                found.append(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
     return found
 
 
