@@ -12,6 +12,7 @@ from pipeline.config_file import ConfigError, load_config
 from pipeline.config_reference import HEADER, reference_table
 from pipeline.job_state import changed_keys, fingerprint
 from workers.config import JobConfig, redacted, template_fields, validation_message
+from workers.storage import is_remote
 
 REPO = Path(__file__).resolve().parents[1]
 MINIMAL = {"input": {"path": "s3://bucket/prompts/"}, "output": {"path": "s3://bucket/out/"}, "model": {"target": "m"}}
@@ -223,12 +224,15 @@ def test_relative_paths_resolve_against_the_config_file_and_set_paths_against_th
     assert remote.input.path == "s3://bucket/in/" and remote.model.target == "demo:smollm2"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "synthetic.yaml"])
-def test_shipped_configs_work_from_any_folder(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("file, name", [("demo", "demo"), ("synthetic", "synthetic"), ("structured", "structured"),
+                                        ("cluster", "cluster-example")])
+def test_shipped_job_configs_load_from_any_folder(file, name, tmp_path, monkeypatch):
+    """Every job config shipped in configs/ loads the way `specbatch run` loads it, whatever the working directory."""
     monkeypatch.chdir(tmp_path)
-    config = load_config(str(REPO / "configs" / name))
-    assert Path(config.input.path).is_file()
-    assert Path(config.output.path).parent == REPO / "out"
+    config = load_config(str(REPO / "configs" / f"{file}.yaml"))
+    assert config.name == name
+    if not is_remote(config.input.path):
+        assert Path(config.input.path).is_file() and Path(config.output.path).parent == REPO / "out"
 
 
 def test_the_readme_config_table_is_generated_from_the_field_descriptions():

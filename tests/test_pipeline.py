@@ -76,13 +76,17 @@ def test_cli_run_with_overrides(model_dir, tmp_path, write_input, write_yaml, ca
     out = tmp_path / "right"
     code = main(["run", config_file, "--quiet", "--json", "--set", f"output.path={out}",
                  "--set", "generation.max_new_tokens=5", "--set", "sharding.rows_per_shard=2",
-                 "--set", "speculation.k=3", "--set", "resources.batch_size=3"])
+                 "--set", "speculation.k=3", "--set", "resources.batch_size=3", "--set", "generation.logprobs=2"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["job"]["shards"] == 5 and summary["job"]["rows"] == 9
     assert not (tmp_path / "wrong").exists()
     rows = [r for f in sorted((out / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert len(rows) == 9 and max(r["completion_tokens"] for r in rows) <= 5
+    for r in rows:  # per-row speculation counters and log-probabilities travel to the Parquet output
+        assert len(r["logprobs"]) == len(r["top_logprobs"]) == r["completion_tokens"]
+        assert all(len(position) == 2 and position[0]["logprob"] >= position[1]["logprob"] for position in r["top_logprobs"])
+        assert r["drafter"] == "ngram" and r["target_passes"] >= 1 and 0 <= r["accepted_tokens"] <= r["drafted_tokens"]
     job = json.loads((out / "_job.json").read_text())
     assert job["config"]["speculation"]["k"] == 3 and job["config"]["resources"]["batch_size"] == 3
 
@@ -134,20 +138,17 @@ def test_bad_rows_become_error_rows_listed_in_errors_parquet_with_exit_code_3(mo
 
 
 def _generating_worker_pids() -> list[int]:
-    """Worker actors of this test's Ray, caught inside run_shard (Ray titles the process by the method it runs).
-
-    Only descendants of this process: other Ray instances on the machine are none of this test's business.
-    """
+    """Worker actors of this test's own Ray (descendants of this process, never another job's on the machine),
+    caught inside run_shard (Ray titles the process by the method it runs)."""
     import psutil
 
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if (proc.info["cmdline"] or [""])[0].startswith("ray::GenerationWorker.run_shard"):
-            try:
-                if os.getpid() in {p.pid for p in proc.parents()}:
-                    found.append(proc.pid)
-            except psutil.NoSuchProcess:
-                pass
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if (proc.cmdline() or [""])[0].startswith("ray::GenerationWorker.run_shard"):
+                found.append(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
     return found
 
 
