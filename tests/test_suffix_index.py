@@ -167,12 +167,12 @@ def test_frequency_beats_recency_and_confidence_limits_the_length():
     index.add([1, 2, 9])
     # after [7, 8, 1, 2] the 4-token context has seen 3 only, though [1, 2] alone more often saw 9
     assert index.propose(node, 4, 0.5) == [1, 2, 3, 4]
-    # a context whose continuation splits: cumulative probability halves, so the draft stops there
-    index.add([4, 4, 6, 6, 6])
-    index.add([4, 4, 5, 5, 5])
+    # a context whose continuation splits halves the confidence; the tie goes to the latest occurrence
+    index.add([4, 4, 6, 7, 8])
+    index.add([4, 4, 5, 9, 10])
     node = index.match([3, 4, 4])
     assert index.level[node] == 2
-    assert index.propose(node, 4, 0.4) == [5, 5, 5]          # tie broken by recency, then certain
+    assert index.propose(node, 4, 0.4) == [5, 9, 10]         # then certain, then never continued
     assert index.propose(node, 4, 0.6) == []
 
 
