@@ -180,4 +180,5 @@ def test_unknown_context_proposes_nothing():
     index.add([1, 2, 3])
     assert index.match([]) == ROOT and index.match([5, 6]) == ROOT
     assert index.propose(ROOT, 4, 0.0) == []
-    assert index.match([1, 2, 3]) == index.match([2]), "[1, 2, 3] and [2, 3] never continued: back off to [2]"
+    assert index.match([1, 2, 3]) == ROOT, "nothing ever followed [3], [2, 3] or [1, 2, 3]"
+    assert [index.level[index.match(c)] for c in ([1, 2], [5, 2], [3, 1])] == [2, 1, 1]
