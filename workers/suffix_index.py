@@ -7,13 +7,12 @@ per token: appending token t to a stream walks the link chain of the stream's ta
 nodes), and matching a context is an Aho-Corasick scan. Continuations are ranked by frequency (the
 child's count; the most recent occurrence breaks ties), so many finished rows outvote one odd row.
 
-Nodes live in flat arrays and one dict of edges keyed (node << 32 | token), about 150 bytes per node;
+Nodes live in flat lists and one dict of edges keyed (node << 32 | token), about 170 bytes per node;
 a stream of n tokens adds at most n * depth nodes, and finished streams are evicted oldest first once
 more than `max_tokens` tokens are indexed, which bounds memory.
 """
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,16 +35,18 @@ class SuffixIndex:
             raise ValueError(f"suffix index needs depth >= 1 and max_tokens >= 0, got {depth} and {max_tokens}")
         self.max_tokens, self.depth = max_tokens, depth
         self.edges: dict[int, int] = {}
-        self.count = array("l", [0])      # occurrences of the node's substring
-        self.cont = array("l", [0])       # occurrences followed by a token (the children's counts summed)
-        self.link = array("l", [ROOT])    # node of the substring without its first token
-        self.level = array("l", [0])      # substring length
-        self.token = array("l", [0])      # last token of the substring (the edge label)
-        self.stamp = array("q", [0])      # clock of the latest occurrence: breaks frequency ties by recency
-        self.best = array("l", [_NONE])   # child with the highest (count, stamp), or _NONE until looked up
-        self.first = array("l", [_NONE])  # children as a doubly linked list, for recomputing `best`
-        self.next = array("l", [_NONE])
-        self.prev = array("l", [_NONE])
+        # One entry per node id (lists: twice as fast to update as arrays here, and node ids, stored in
+        # `edges` anyway, are shared rather than copied).
+        self.count = [0]       # occurrences of the node's substring
+        self.cont = [0]        # occurrences followed by a token (the children's counts summed)
+        self.link = [ROOT]     # node of the substring without its first token
+        self.level = [0]       # substring length
+        self.token = [0]       # last token of the substring (the edge label)
+        self.stamp = [0]       # clock of the latest occurrence: breaks frequency ties by recency
+        self.best = [_NONE]    # child with the highest (count, stamp), or _NONE until looked up
+        self.first = [_NONE]   # children as a doubly linked list, for recomputing `best`
+        self.next = [_NONE]
+        self.prev = [_NONE]
         self.free: list[int] = []
         self.closed: deque[Stream] = deque()
         self.indexed = 0                  # tokens in all streams, open and closed
@@ -83,46 +84,55 @@ class SuffixIndex:
             self._evict()
 
     def _append(self, stream: Stream, t: int) -> None:
-        """Count every substring ending at the new token: a child under each node of the tail's link chain."""
+        """Count every substring ending at the new token: a child under each node of the tail's link chain,
+        deepest first, so each new child's suffix link is the next child made."""
         edges, count, cont, link, best, stamp = self.edges, self.count, self.cont, self.link, self.best, self.stamp
-        self.clock += 1
-        u, previous, first = stream.tail, _NONE, _NONE
+        self.clock = clock = self.clock + 1
+        u, previous, first = stream.tail, None, None
         while True:
             key = u << 32 | t
             c = edges.get(key)
             if c is None:
-                c = edges[key] = self._node(u, t)
-            count[c] += 1
-            stamp[c] = self.clock
+                c = edges[key] = self._node(u, t, clock)
+            else:
+                count[c] += 1
+                stamp[c] = clock
             cont[u] += 1
             b = best[u]
-            if b != _NONE and b != c and count[c] >= count[b]:
+            if b != c and b >= 0 and count[c] >= count[b]:
                 best[u] = c
-            if previous == _NONE:
+            if previous is None:
                 first = c
             else:
                 link[previous] = c
-            previous = c
-            if u == ROOT:
-                link[c] = ROOT
+            if u == 0:  # ROOT
                 break
-            u = link[u]
+            previous, u = c, link[u]
         stream.tail = first if self.level[first] < self.depth else link[first]
 
-    def _node(self, parent: int, t: int) -> int:
-        values = (0, 0, ROOT, self.level[parent] + 1, t, 0, _NONE, _NONE, self.first[parent], _NONE)
-        columns = (self.count, self.cont, self.link, self.level, self.token, self.stamp, self.best, self.first,
-                   self.next, self.prev)
+    def _node(self, parent: int, t: int, clock: int) -> int:
+        """A new child of `parent` with one occurrence, on a recycled id when one is free."""
+        sibling, level = self.first[parent], self.level[parent] + 1
         if self.free:
             c = self.free.pop()
-            for column, value in zip(columns, values):
-                column[c] = value
+            self.count[c], self.cont[c], self.stamp[c], self.link[c] = 1, 0, clock, ROOT
+            self.level[c], self.token[c] = level, t
+            self.best[c] = self.first[c] = self.prev[c] = _NONE
+            self.next[c] = sibling
         else:
             c = len(self.count)
-            for column, value in zip(columns, values):
-                column.append(value)
-        if self.first[parent] != _NONE:
-            self.prev[self.first[parent]] = c
+            self.count.append(1)
+            self.cont.append(0)
+            self.stamp.append(clock)
+            self.link.append(ROOT)
+            self.level.append(level)
+            self.token.append(t)
+            self.best.append(_NONE)
+            self.first.append(_NONE)
+            self.prev.append(_NONE)
+            self.next.append(sibling)
+        if sibling != _NONE:
+            self.prev[sibling] = c
         self.first[parent] = c
         return c
 
