@@ -73,13 +73,17 @@ def test_cli_run_with_overrides(model_dir, tmp_path, write_input, capsys):
     out = tmp_path / "right"
     code = main(["run", str(config_file), "--quiet", "--json", "--set", f"output.path={out}",
                  "--set", "generation.max_new_tokens=5", "--set", "sharding.rows_per_shard=2",
-                 "--set", "speculation.k=3", "--set", "resources.batch_size=3"])
+                 "--set", "speculation.k=3", "--set", "resources.batch_size=3", "--set", "generation.logprobs=2"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["shards"] == 5 and summary["rows"] == 9
     assert not (tmp_path / "wrong").exists()
     rows = [r for f in sorted((out / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert len(rows) == 9 and max(r["completion_tokens"] for r in rows) <= 5
+    for r in rows:  # per-row speculation counters and log-probabilities travel to the Parquet output
+        assert len(r["logprobs"]) == len(r["top_logprobs"]) == r["completion_tokens"]
+        assert all(len(position) == 2 and position[0]["logprob"] >= position[1]["logprob"] for position in r["top_logprobs"])
+        assert r["drafter"] == "ngram" and r["target_passes"] >= 1 and 0 <= r["accepted_tokens"] <= r["drafted_tokens"]
     job = json.loads((out / "_job.json").read_text())
     assert job["config"]["speculation"]["k"] == 3 and job["config"]["resources"]["batch_size"] == 3
 

@@ -137,6 +137,10 @@ class GenerationConfig(_Section):
     samples_per_prompt: int = Field(1, ge=1)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     chat_template: bool = True
+    logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "log-probabilities in the output: the chosen token's at every position, plus the N most likely "
+        "tokens' (0: the chosen token's only; null: none). From the target's own logits, before "
+        "temperature and top-k/top-p, so speculation never changes them"))
 
 
 class SpeculationConfig(_Section):
