@@ -105,7 +105,7 @@ class WorkerPool:
 def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True) -> dict:
     """Run (or resume) a job to completion and return its summary."""
     started = time.time()
-    for path in filter(None, (config.model.target, config.model.draft if config.model.drafter == "model" else None)):
+    for path in filter(None, (config.model.target, config.model.draft if "model" in config.model.drafters else None)):
         check_model_path(path, config.input.storage_options)
     state = JobState(config)
     plan = plan_shards(config)

@@ -46,9 +46,9 @@ def test_defaults():
     }
     assert config.generation.model_dump() == {
         "max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
-        "samples_per_prompt": 1, "stop": [], "chat_template": True,
+        "samples_per_prompt": 1, "stop": [], "chat_template": True, "logprobs": None,
     }
-    assert config.speculation.model_dump() == {"k": "adaptive", "max_k": 8, "ngram_size": 3}
+    assert config.speculation.model_dump() == {"k": "adaptive", "max_k": 8, "ngram_size": 3, "suffix_max_tokens": 32768}
     assert config.resources.model_dump() == {
         "workers": 1, "gpus_per_worker": "auto", "cpus_per_worker": 1, "memory": None, "batch_size": 16,
     }
@@ -85,6 +85,12 @@ def test_one_message_names_every_bad_key():
     ("section", "values", "bad_key"),
     [
         ("model", {"target": "m", "drafter": "model"}, "model.draft"),
+        ("model", {"target": "m", "drafter": ["suffix", "model"]}, "model.draft"),
+        ("model", {"target": "m", "drafter": "suffx"}, "model.drafter"),
+        ("model", {"target": "m", "drafter": []}, "model.drafter"),
+        ("model", {"target": "m", "drafter": ["suffix", "suffix"]}, "model.drafter"),
+        ("model", {"target": "m", "drafter": ["none", "ngram"]}, "model.drafter"),
+        ("speculation", {"suffix_max_tokens": -1}, "speculation.suffix_max_tokens"),
         ("speculation", {"max_k": 65}, "speculation.max_k"),
         ("speculation", {"k": -1}, "speculation.k"),
         ("speculation", {"k": "fast"}, "speculation.k"),
@@ -99,6 +105,14 @@ def test_one_message_names_every_bad_key():
 )
 def test_impossible_values_are_named(section, values, bad_key):
     assert f"  {bad_key}: " in errors_of({**MINIMAL, section: values})
+
+
+def test_drafter_is_a_name_or_a_list_to_compose():
+    one = JobConfig.model_validate({**MINIMAL, "model": {"target": "m", "drafter": "suffix"}})
+    assert one.model.drafters == ["suffix"]
+    composed = JobConfig.model_validate({**MINIMAL, "model": {"target": "m", "draft": "d", "drafter": ["suffix", "model"]}})
+    assert composed.model.drafters == ["suffix", "model"]
+    assert JobConfig.model_validate(composed.model_dump()) == composed
 
 
 def test_prompt_source_follows_messages_or_template():

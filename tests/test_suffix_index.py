@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from workers.suffix_index import ROOT, SuffixIndex
+from workers.engine.suffix_index import ROOT, SuffixIndex
 
 
 class BruteForce:
