@@ -24,9 +24,11 @@ import workers.engine.generator as generator_module
 from tests.tiny_models import StubTokenizer, tiny_draft, tiny_llama
 from workers.engine.controller import FixedK
 from workers.engine.decoding_model import DecodingModel
+from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.drafter import Drafter, pack
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
+from workers.engine.suffix_drafter import SuffixDrafter
 from workers.engine.sampling import (
     SamplingParams,
     Verdict,
@@ -264,13 +266,13 @@ def test_a_wrong_sampler_fails_the_same_check(target, drafts, exact, monkeypatch
     assert min(chi_square_pvalue(pairs, joint), chi_square_pvalue(thirds, third)) < P_MIN
 
 
+class Cycle(Drafter):
+    def propose(self, rows, k, caps):
+        return pack([[(row.tokens[-1] + j + 1) % V for j in range(min(k, cap))] for row, cap in zip(rows, caps)], k)
+
+
 def test_greedy_k_changes_nothing_under_sampling_with_a_plugged_in_drafter(target, exact):
     """A plugged-in deterministic drafter proposing a fixed, mostly wrong, cycle of tokens."""
-
-    class Cycle(Drafter):
-        def propose(self, rows, k, caps):
-            return pack([[(row.tokens[-1] + j + 1) % V for j in range(min(k, cap))] for row, cap in zip(rows, caps)], k)
-
     params = PARAMS[0]
     pairs, thirds, stats = sample_first_tokens(target, Cycle(), params, N, k=2, seed0=1000)
     assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0
@@ -278,6 +280,26 @@ def test_greedy_k_changes_nothing_under_sampling_with_a_plugged_in_drafter(targe
     assert chi_square_pvalue(pairs, joint) > P_MIN and chi_square_pvalue(thirds, third) > P_MIN
     reference, _, _ = sample_first_tokens(target, Cycle(), params, N, k=0, seed0=1000)
     assert np.array_equal(pairs, reference), "deterministic drafts must not change any completion"
+
+
+@pytest.mark.parametrize("name,min_prob", [("suffix", 0.02), ("suffix+leviathan", 0.3)])
+def test_job_wide_and_composed_drafters_sample_the_target_distribution(target, drafts, exact, name, min_prob):
+    """The suffix drafter first indexes N earlier completions of the prompt (other seeds), then drafts
+    their most frequent continuations: often right, often not. Composed with a sampling draft model
+    (min_prob 0.3 leaves it about a third of the rows at the second step), the rows the index is unsure
+    of take the Leviathan rule and the others a one-hot q, in the same verify pass."""
+    params = PARAMS[0]
+    suffix = SuffixDrafter(max_tokens=10 * N, min_prob=min_prob)
+    drafter = suffix if name == "suffix" else ComposedDrafter([suffix, drafter_for(drafts, "leviathan", params)])
+    sample_first_tokens(target, suffix, params, N, k=0, seed0=1_000_000)  # the job so far
+    pairs, thirds, stats = sample_first_tokens(target, drafter, params, N, k=2, seed0=1000)
+    assert acceptance(stats) < 0.7
+    assert stats.accepted_by_position[0] >= 0.1 * N and stats.accepted_by_position[1] >= 0.02 * N
+    joint, third = exact[params]
+    assert chi_square_pvalue(pairs, joint) > P_MIN and chi_square_pvalue(thirds, third) > P_MIN
+    if name == "suffix":
+        reference, _, _ = sample_first_tokens(target, Cycle(), params, N, k=0, seed0=1000)
+        assert np.array_equal(pairs, reference), "one-hot drafts must not change any completion"
 
 
 def test_sampling_oracle_is_sane(exact):

@@ -44,6 +44,19 @@ def _either(word: str, kind: type[int] | tuple[type, ...], minimum: float, label
     return PlainValidator(check)
 
 
+DRAFTER_NAMES = ("model", "ngram", "none", "suffix")  # the registry's names (workers/registry.py)
+
+
+def _drafter_names(value: Any) -> str | list[str]:
+    """A drafter name, or a list of them to compose (the first with a proposal drafts each row)."""
+    names = value if isinstance(value, list) else [value]
+    if not names or any(not isinstance(n, str) or n not in DRAFTER_NAMES for n in names):
+        raise ValueError(f"must be one of {', '.join(DRAFTER_NAMES)}, or a non-empty list of them")
+    if isinstance(value, list) and (len(set(names)) != len(names) or "none" in names):
+        raise ValueError("a list names each drafter once and leaves out 'none'")
+    return value
+
+
 def _key_error(key: str, reason: str) -> PydanticCustomError:
     """A cross-field error that validation_message reports under section.key, not the section."""
     return PydanticCustomError("bad_key", "{reason}", {"key": key, "reason": reason})
@@ -126,16 +139,23 @@ class OutputConfig(_Section):
 class ModelConfig(_Section):
     target: str = Field(description="local folder, `s3://` folder, `.gguf` file, or `demo:smollm2`")
     draft: str | None = Field(None, description="draft model sharing the target's tokenizer")
-    drafter: Literal["model", "ngram", "none"] = Field("ngram", description="`ngram` (prompt lookup), `model`, or `none`")
+    drafter: Annotated[str | list[str], PlainValidator(_drafter_names)] = Field("ngram", description=(
+        "`none`, `ngram` (prompt lookup in the row), `suffix` (an index over everything this worker has read and "
+        "written in the job), `model` (a small draft model, model.draft), or a list such as `[suffix, ngram]`: "
+        "per row, the first drafter in the list with a confident proposal drafts"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="`auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`")
     trust_remote_code: bool = Field(False, description="passed to transformers")
 
     @model_validator(mode="after")
     def _draft_present(self) -> ModelConfig:
-        if self.drafter == "model" and not self.draft:
+        if "model" in self.drafters and not self.draft:
             raise _key_error("draft", "required when drafter is 'model'")
         return self
+
+    @property
+    def drafters(self) -> list[str]:
+        return self.drafter if isinstance(self.drafter, list) else [self.drafter]
 
 
 class GenerationConfig(_Section):
@@ -159,6 +179,9 @@ class SpeculationConfig(_Section):
         "adaptive", description="`adaptive` or a fixed int (`0` = no speculation)")
     max_k: int = Field(8, ge=0, le=64, description="largest draft length")
     ngram_size: int = Field(3, ge=1, le=64, description="longest n-gram the prompt-lookup drafter matches")
+    suffix_max_tokens: int = Field(32768, ge=0, description=(
+        "tokens the suffix drafter keeps indexed per worker (prompts and completions, oldest finished rows "
+        "evicted first); about 2 KiB of memory per token"))
 
     @model_validator(mode="after")
     def _k_within_max(self) -> SpeculationConfig:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from workers.config import JobConfig, SpeculationConfig
+from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.controller import AdaptiveK, Controller, FixedK
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import Drafter, NoDrafter
@@ -20,6 +21,7 @@ from workers.engine.generator import GenerationSettings, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
 from workers.engine.ngram_drafter import NgramDrafter
 from workers.engine.sampling import SamplingParams
+from workers.engine.suffix_drafter import SuffixDrafter
 from workers.models import load_model, load_tokenizer
 
 
@@ -57,6 +59,7 @@ register_drafter("none", DrafterKind(lambda models, spec, sampling: NoDrafter())
 register_drafter("ngram", DrafterKind(lambda models, spec, sampling: NgramDrafter(spec.ngram_size)))
 register_drafter("model", DrafterKind(lambda models, spec, sampling: ModelDrafter(models.draft, sampling),
                                       _load_draft_model))
+register_drafter("suffix", DrafterKind(lambda models, spec, sampling: SuffixDrafter(spec.suffix_max_tokens)))
 
 
 def pick_device() -> torch.device:
@@ -68,13 +71,17 @@ def load_models(config: JobConfig, device: torch.device) -> Models:
     m, options = config.model, config.input.storage_options
     target = DecodingModel.prepare(load_model(m.target, m.dtype, device, options, m.trust_remote_code))
     models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code))
-    loader = DRAFTERS[m.drafter].load_draft
-    if loader is not None:
-        models.draft = loader(config, models, device)
+    loaders = [DRAFTERS[name].load_draft for name in m.drafters if DRAFTERS[name].load_draft is not None]
+    if loaders:  # model.draft names one set of weights: at most one drafter kind reads it
+        models.draft = loaders[0](config, models, device)
     return models
 
 
-def make_drafter(name: str, models: Models, speculation: SpeculationConfig, sampling: SamplingParams) -> Drafter:
+def make_drafter(name: str | list[str], models: Models, speculation: SpeculationConfig,
+                 sampling: SamplingParams) -> Drafter:
+    """The drafter a config names; a list composes them in order (see ComposedDrafter)."""
+    if isinstance(name, list):
+        return ComposedDrafter([make_drafter(part, models, speculation, sampling) for part in name])
     return DRAFTERS[name].build(models, speculation, sampling)
 
 

@@ -34,6 +34,7 @@ class Proposal:
     tokens: torch.Tensor                 # (n, k) long; entries past a row's length are padding
     lengths: torch.Tensor                # (n,) long: drafts proposed per row (0..k)
     probs: torch.Tensor | None = None    # (n, k, vocab) when drafts were sampled from a distribution
+    source: torch.Tensor | None = None   # (n,) long: which of a composed drafter's parts served each row (-1: none)
 
 
 def pack(drafts: list[list[int]], k: int) -> Proposal:
