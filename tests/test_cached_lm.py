@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.tiny_models import tiny_llama
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.fused_decoder import FusedDecoder
+from workers.engine.linear import Linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,3 +53,27 @@ def test_preparing_leaves_the_source_model_untouched():
         assert (t.data_ptr(), t.stride()) == (ptr, stride), name
         assert torch.equal(t, values), name
     assert not any(name.startswith("_specbatch") for name in vars(model))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_linear_layouts_agree_with_f_linear(rows):
+    """fp32 on CPU takes oneDNN's packed layout for several rows and MKL's plain layout for one."""
+    torch.manual_seed(0)
+    weight, bias, residual = torch.randn(48, 32), torch.randn(48), torch.randn(rows, 48)
+    x = torch.randn(rows, 32)
+    linear = Linear(weight, bias)
+    assert linear.packed is not None
+    torch.testing.assert_close(linear(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear.add_to(residual, x), residual + F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_forward_matches_full_forward():
+    """The fp32 path (packed weights, fused epilogues) within fp32 rounding of transformers' forward."""
+    model = tiny_llama(64, layers=2, seed=6, dtype=torch.float32)
+    lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)
+    prompts, steps = [[5, 6, 7, 8, 9], [11, 12]], [[20, 21, 22], [23, 24, 25]]
+    lm.prefill(prompts, 0)
+    logits = lm.logits(torch.tensor([[p[-1]] + s for p, s in zip(prompts, steps)]))
+    for row, (prompt, step) in enumerate(zip(prompts, steps)):
+        full = model(torch.tensor([prompt + step])).logits[0, len(prompt) - 1 :]
+        torch.testing.assert_close(logits[row], full, rtol=1e-4, atol=1e-4)
