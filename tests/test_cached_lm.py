@@ -34,6 +34,24 @@ def test_rows_of_different_lengths_match_full_forward(fused, monkeypatch):
         torch.testing.assert_close(after[row, 0], model(torch.tensor([kept])).logits[0, -1].float(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_rows_of_equal_length_write_one_slice_and_skip_the_mask(fused, monkeypatch):
+    """Equal lengths take the slice write; a width-1 step over them runs without a mask."""
+    model = tiny_llama(64, layers=2, seed=7)
+    if not fused:
+        monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda m: False))
+    lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)
+    prompts = [[5, 6, 7, 8], [11, 12, 13, 14]]
+    lm.prefill(prompts, 0)
+    wide = lm.logits(torch.tensor([[8, 20, 21], [14, 22, 23]]))
+    lm.advance(torch.tensor([3, 3]))
+    narrow = lm.logits(torch.tensor([[30], [31]]))
+    for row, seq in enumerate([[5, 6, 7, 8, 20, 21, 30], [11, 12, 13, 14, 22, 23, 31]]):
+        full = model(torch.tensor([seq])).logits[0].float()
+        torch.testing.assert_close(wide[row], full[3:6], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(narrow[row, 0], full[6], rtol=1e-6, atol=1e-6)
+
+
 def test_slot_moves_keep_a_row_intact():
     model = tiny_llama(64, layers=2, seed=4)
     lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)

@@ -44,10 +44,14 @@ class DecodingModel:
     def embed(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """tokens, positions (n, q) on device; mask (n, 1, q, kv_len) additive -> final hidden (n, q, hidden)."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+               cache: SlotCache) -> torch.Tensor:
+        """tokens, positions (n, q) on device; mask (n, 1, q, kv_len) additive, None when every query sees every
+        cached position -> final hidden (n, q, hidden)."""
         if self.fused is not None:
             return self.fused(tokens, positions, mask, cache)
+        if mask is None:  # transformers would build a causal mask of its own from the cache length
+            mask = torch.zeros(*tokens.shape[:1], 1, tokens.shape[1], cache.kv_len, dtype=self.dtype, device=self.device)
         return self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
                                         use_cache=True).last_hidden_state
 
