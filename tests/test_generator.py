@@ -9,6 +9,7 @@ the counters.
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -260,3 +261,15 @@ def test_leviathan_path_is_reproducible_across_runs_and_batch_sizes(tok, target,
         check_stats(stats, 3)
         assert stats.accepted_tokens > 0
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_phase_times_add_up_to_the_wall_time(tok, target, prompt_ids):
+    """prefill + draft + verify + other account for generate()'s whole wall time (within 1%)."""
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), tok, NgramDrafter(3), FixedK(2),
+                                     GenerationSettings(max_new_tokens=MAX_NEW, max_k=MAX_K, batch_size=2))
+    started = time.perf_counter()
+    stats = generator.generate(requests_for(prompt_ids)).stats
+    wall = time.perf_counter() - started
+    parts = [stats.prefill_s, stats.draft_s, stats.verify_s, stats.other_s]
+    assert min(parts) > 0
+    assert sum(parts) == pytest.approx(wall, rel=0.01)

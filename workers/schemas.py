@@ -53,6 +53,8 @@ STATS_SCHEMA = pa.schema(
         pa.field("k_hist", pa.list_(pa.int64())),  # counts for k = 0..max_k
         pa.field("draft_s", pa.float64()),
         pa.field("verify_s", pa.float64()),
+        pa.field("prefill_s", pa.float64()),
+        pa.field("other_s", pa.float64()),
         pa.field("peak_mem_bytes", pa.int64()),
         pa.field("attempt", pa.int32()),
         pa.field("failed_rows", pa.int64()),

@@ -111,6 +111,7 @@ class ShardRunner:
             "mean_accepted_per_pass": s.generated_tokens / s.target_passes if s.target_passes else 0.0,
             "accept_by_position": [None if a != a else a for a in s.accept_by_position],
             "k_hist": [int(c) for c in s.k_hist], "draft_s": s.draft_s, "verify_s": s.verify_s,
+            "prefill_s": s.prefill_s, "other_s": s.other_s,
             "peak_mem_bytes": _peak_memory(self.device), "attempt": attempt, "failed_rows": failed,
         }
 
