@@ -73,16 +73,18 @@ def test_preparing_leaves_the_source_model_untouched():
     assert not any(name.startswith("_specbatch") for name in vars(model))
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_linear_layouts_agree_with_f_linear(rows):
-    """fp32 on CPU takes oneDNN's packed layout for several rows and MKL's plain layout for one."""
+def test_linear_layouts_agree_with_f_linear(rows, dtype, tol):
+    """On CPU oneDNN's packed layout serves several fp32 rows and every bf16 one; MKL's plain layout one fp32 row."""
     torch.manual_seed(0)
-    weight, bias, residual = torch.randn(48, 32), torch.randn(48), torch.randn(rows, 48)
-    x = torch.randn(rows, 32)
+    weight, bias, residual = (torch.randn(48, 32).to(dtype), torch.randn(48).to(dtype), torch.randn(rows, 48).to(dtype))
+    x = torch.randn(rows, 32).to(dtype)
     linear = Linear(weight, bias)
-    assert linear.packed is not None
-    torch.testing.assert_close(linear(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear.add_to(residual, x), residual + F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert linear.packed is not None and (linear.plain is None) == (dtype == torch.bfloat16)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(linear(x).float(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(linear.add_to(residual, x).float(), residual.float() + expected, rtol=tol, atol=tol)
 
 
 def test_fp32_forward_matches_full_forward():

@@ -3,10 +3,10 @@
 On CPU in fp32 and bf16, oneDNN's linear over a weight reordered ahead of time ("packed") costs about
 as much for 9 rows as for 1: all 30 SmolLM2-135M layers plus its head took 44 ms for 9 rows against
 40 ms for 1, where MKL's sgemm on a plain (in, out) weight took 99 ms for 9 rows. A verify pass of
-width 9, or a batch of rows, is then nearly free next to a single-token pass. For a single row MKL's
-GEMV on the plain (in, out) layout is still ~20% faster (35 ms), so on CPU both layouts are kept: the
-weights' memory doubles for the fastest pass at every width. Other dtypes (fp64 in the exactness tests)
-and other devices keep one plain layout.
+width 9, or a batch of rows, is then nearly free next to a single-token pass. For a single fp32 row
+MKL's GEMV on the plain (in, out) layout is still ~20% faster (35 ms), so fp32 keeps both layouts (the
+weights' memory doubles for the fastest pass at every width); bf16 is fastest packed at every width
+and keeps only that. Other dtypes (fp64 in the exactness tests) and other devices keep one plain layout.
 """
 from __future__ import annotations
 
@@ -27,21 +27,21 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
-        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if packs(weight) else None
-        self.plain = weight.t().contiguous() if weight.device.type == "cpu" else weight.t()  # (in, out)
+        plain = self.packed is None or weight.dtype == torch.float32
+        self.plain = None if not plain else weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
 
-    def _multi_row(self, x: torch.Tensor) -> bool:
-        return self.packed is not None and x.numel() != x.shape[-1]
+    def _use_packed(self, x: torch.Tensor) -> bool:
+        return self.packed is not None and (self.plain is None or x.numel() != x.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._multi_row(x):
+        if self._use_packed(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         out = x @ self.plain
         return out if self.bias is None else out + self.bias
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + (x @ weight.T + bias); on oneDNN the add is the GEMM's epilogue (one kernel, same rounding)."""
-        if self._multi_row(x):
+        if self._use_packed(x):
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         return residual + self(x)
