@@ -22,15 +22,20 @@ class CachedLM:
         """Feed `tokens` (n, q) to slots start..start+n-1; returns their final hidden states (n, q, hidden)."""
         n, q = tokens.shape
         lengths = self.lengths[start : start + n]
-        positions = lengths.unsqueeze(1) + torch.arange(q)                      # (n, q)
-        kv_len = int(lengths.max()) + q
-        visible = torch.arange(kv_len).view(1, 1, kv_len) <= positions.unsqueeze(-1)  # (n, q, kv_len)
+        shortest, longest = int(lengths.min()), int(lengths.max())
+        positions = (lengths.unsqueeze(1) + torch.arange(q)).to(self.model.device)   # (n, q)
+        cache = self.cache
+        cache.rows, cache.write_positions, cache.kv_len = slice(start, start + n), positions, longest + q
+        cache.write_start = shortest if shortest == longest else None
+        mask = None if q == 1 and shortest == longest else self._mask(positions, longest + q)
+        return self.model.decode(tokens.to(self.model.device), positions, mask, cache)
+
+    def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Additive (n, 1, q, kv_len) mask over the live length only: each query sees its row's cache up to itself."""
+        visible = torch.arange(kv_len, device=positions.device).view(1, 1, kv_len) <= positions.unsqueeze(-1)
         dtype = self.model.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        positions = positions.to(self.model.device)
-        self.cache.rows, self.cache.write_positions, self.cache.kv_len = slice(start, start + n), positions, kv_len
-        return self.model.decode(tokens.to(self.model.device), positions, mask.unsqueeze(1).to(self.model.device),
-                                 self.cache)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
+        return mask.masked_fill_(~visible, torch.finfo(dtype).min).unsqueeze(1)
 
     def logits(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """fp32 next-token logits (n, q, vocab) after feeding `tokens` (n, q)."""

@@ -12,31 +12,29 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 from workers.engine.kv_cache import SlotCache
+from workers.engine.linear import Linear
 
 SUPPORTED = {"llama", "qwen2"}
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One contiguous (in, sum(out)) weight, and the concatenated bias when every Linear has one."""
-    fused = torch.cat([m.weight.detach() for m in linears], 0).t().contiguous()
+def _fuse(linears: list[torch.nn.Linear]) -> Linear:
+    """One Linear over the concatenated outputs, with the concatenated bias when every part has one."""
+    weight = torch.cat([m.weight.detach() for m in linears], 0)
     biases = [m.bias for m in linears]
-    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    return fused, bias
+    return Linear(weight, torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None)
 
 
 @dataclass
 class _Layer:
     norm1: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     norm2: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class FusedDecoder:
@@ -50,12 +48,9 @@ class FusedDecoder:
         self.layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-            o, o_bias = _fuse([attn.o_proj])
-            down, _ = _fuse([mlp.down_proj])
-            self.layers.append(_Layer(layer.input_layernorm.weight, qkv, qkv_bias, o, o_bias,
-                                      layer.post_attention_layernorm.weight, gate_up, down))
+            self.layers.append(_Layer(layer.input_layernorm.weight, _fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                      _fuse([attn.o_proj]), layer.post_attention_layernorm.weight,
+                                      _fuse([mlp.gate_proj, mlp.up_proj]), _fuse([mlp.down_proj])))
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -65,31 +60,28 @@ class FusedDecoder:
                 and not getattr(cfg, "use_sliding_window", False) and not getattr(cfg, "pretraining_tp", 1) > 1)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm: one fused op where the dtype makes it bit-identical (fp32/fp64), else its formula."""
+        if x.dtype in (torch.float32, torch.float64):
+            return torch.rms_norm(x, weight.shape, weight, self.eps)
         x32 = x.float()
         return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """tokens, positions (n, q); mask (n, 1, q, kv_len) additive -> final hidden states (n, q, hidden)."""
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                 cache: SlotCache) -> torch.Tensor:
+        """tokens, positions (n, q); mask (n, 1, q, kv_len) additive, None when every query sees every cached
+        position -> final hidden states (n, q, hidden)."""
         n, q = tokens.shape
         h = self.embed(tokens)
-        cos, sin = self.rotary(h, positions)
-        split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        cos, sin = (t.unsqueeze(2) for t in self.rotary(h, positions))           # (n, q, 1, head_dim)
+        rotated = self.heads + self.kv_heads                                    # query and key heads, rotated at once
         for index, layer in enumerate(self.layers):
-            x = self._rms(h, layer.norm1)
-            qkv = x @ layer.qkv
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
-            query, key, value = qkv.split(split, -1)
-            query = query.view(n, q, self.heads, self.head_dim).transpose(1, 2)
-            key = key.view(n, q, self.kv_heads, self.head_dim).transpose(1, 2)
-            value = value.view(n, q, self.kv_heads, self.head_dim).transpose(1, 2)
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
-            keys, values = cache.update(key, value, index)
+            qkv = layer.qkv(self._rms(h, layer.norm1)).view(n, q, rotated + self.kv_heads, self.head_dim)
+            qk = qkv[:, :, :rotated]
+            qk = qk * cos + rotate_half(qk) * sin
+            query, key = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
+            keys, values = cache.update(key, qkv[:, :, rotated:].transpose(1, 2), index)
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-            h = h + attn.transpose(1, 2).reshape(n, q, -1) @ layer.o
-            if layer.o_bias is not None:
-                h = h + layer.o_bias
-            x = self._rms(h, layer.norm2)
-            gate, up = (x @ layer.gate_up).chunk(2, -1)
-            h = h + (F.silu(gate) * up) @ layer.down
+            h = layer.o.add_to(h, attn.transpose(1, 2).reshape(n, q, -1))
+            gate, up = layer.gate_up(self._rms(h, layer.norm2)).chunk(2, -1)
+            h = layer.down.add_to(h, F.silu(gate) * up)
         return self._rms(h, self.norm)

@@ -102,6 +102,7 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> GenerationResult:
         """Complete every request."""
+        started = time.perf_counter()
         stats = GenerationStats(self.settings.max_k)
         results: list[Completion | None] = [None] * len(requests)
         runnable = []
@@ -113,6 +114,7 @@ class SpeculativeGenerator:
                 runnable.append((i, Request(request.id, ids, request.seed)))
         if runnable:
             self._run(runnable, results, stats)
+        stats.other_s = time.perf_counter() - started - stats.prefill_s - stats.draft_s - stats.verify_s
         return GenerationResult(results, stats)  # type: ignore[arg-type]
 
     def _run(self, runnable: list[tuple[int, Request]], results: list[Completion | None], stats: GenerationStats) -> None:
