@@ -60,7 +60,7 @@ class ComposedDrafter(Drafter):
             lengths[take] = p.lengths[take].clamp(max=cap[take])
             source[take] = i
             served.append((p, take))
-        return Proposal(tokens, lengths, _probs(tokens, served), source)
+        return Proposal(tokens, lengths, _probs(tokens, served), source=source)
 
 
 def _probs(tokens: torch.Tensor, served: list[tuple[Proposal, torch.Tensor]]) -> torch.Tensor | None:
