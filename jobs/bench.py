@@ -3,8 +3,8 @@
 Why it is built the way it is:
 - Same inputs for everyone: the prompts are encoded once (chat template), every system decodes
   greedily with the same EOS set, the same `max_new_tokens` and the same torch thread count.
-- transformers gets its own copy of the weights (its own `load_model` call), so nothing our path
-  does to a model (a fused weight, a cached transpose) can ever leak into the baseline.
+- transformers runs the very model this generator decodes with: preparing a model for decoding
+  (`DecodingModel.prepare`) copies what it fuses and leaves the transformers model untouched.
 - Speed only counts when the output is right: every output is compared token for token with
   transformers' greedy `generate` at batch size 1 on the same prompt (`matches_greedy`).
 - Each (system, batch size) gets one short untimed warm-up before its timed cells; each timed
@@ -43,15 +43,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from typing_extensions import Self
 
-from workers.config import JobConfig
-from workers.generator import (
-    GenerationSettings,
-    Request,
-    SpeculativeGenerator,
-)
+from workers.config import JobConfig, SpeculationConfig
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator, eos_ids
+from workers.engine.sampling import SamplingParams
 from workers.models import DEMO_MODEL, load_model, load_tokenizer
-from workers.sampling import SamplingParams
-from workers.shard_runner import make_controller, make_drafter
+from workers.registry import Models, encode_prompt, make_controller, make_drafter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRANSFORMERS = "transformers"
@@ -176,11 +173,8 @@ class Prompt:
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    """What a worker does with a prompt column (ShardRunner._encode): the chat template when there is one."""
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True)["input_ids"])
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    """What a worker does with a prompt column: the chat template when the tokenizer has one."""
+    return encode_prompt(tokenizer, text, None, bool(getattr(tokenizer, "chat_template", None)))
 
 
 def _interleave(groups: list[list[Prompt]]) -> list[Prompt]:
@@ -227,24 +221,15 @@ def build_workloads(cfg: BenchConfig, tokenizer: Any) -> dict[str, list[Prompt]]
 
 @dataclass
 class BenchModels:
-    """Two copies of the target (and of the draft): one for transformers, one for this generator."""
+    """Each model once: transformers runs it as loaded, this generator runs it prepared for decoding."""
     tokenizer: Any
     hf_target: torch.nn.Module
-    our_target: torch.nn.Module
+    our_target: DecodingModel
     hf_draft: torch.nn.Module | None
-    our_draft: torch.nn.Module | None
+    our_draft: DecodingModel | None
     eos_ids: list[int]
     pad_id: int
     device: torch.device
-
-
-def eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    """The EOS set both sides stop on: the model's generation config plus the tokenizer's EOS."""
-    ids = getattr(model.generation_config, "eos_token_id", None)
-    found = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
-        found.add(tokenizer.eos_token_id)
-    return sorted(found)
 
 
 def _page_in(model: torch.nn.Module | None) -> None:
@@ -257,18 +242,17 @@ def _page_in(model: torch.nn.Module | None) -> None:
 
 
 def load_bench_models(cfg: BenchConfig, device: torch.device) -> BenchModels:
-    """Load every model copy from its own load_model call (see the module docstring for why)."""
+    """Load each model once and prepare it for this generator."""
     m = cfg.model
     tokenizer = load_tokenizer(m.target)
     hf_target = load_model(m.target, m.dtype, device)
-    our_target = load_model(m.target, m.dtype, device)
     hf_draft = load_model(m.draft, m.dtype, device) if m.draft else None
-    our_draft = load_model(m.draft, m.dtype, device) if m.draft and "model" in cfg.drafters else None
-    for model in (hf_target, our_target, hf_draft, our_draft):
+    for model in (hf_target, hf_draft):
         _page_in(model)
-    eos = eos_ids(hf_target, tokenizer)
+    our_draft = DecodingModel.prepare(hf_draft) if hf_draft is not None and "model" in cfg.drafters else None
+    eos = sorted(eos_ids(hf_target.generation_config, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    return BenchModels(tokenizer, hf_target, our_target, hf_draft, our_draft, eos, pad, device)
+    return BenchModels(tokenizer, hf_target, DecodingModel.prepare(hf_target), hf_draft, our_draft, eos, pad, device)
 
 
 # ---------------------------------------------------------------------------------------- systems
@@ -390,8 +374,10 @@ def make_generator(system: System, models: BenchModels, cfg: BenchConfig, batch_
     """This generator as a worker would build it for the system (shard_runner.make_generator's choices)."""
     k = "adaptive" if system.schedule == "adaptive" else int(system.k)
     max_k = cfg.max_k if k == "adaptive" else k
-    drafter = make_drafter(system.drafter, cfg.ngram_size, models.our_draft, SamplingParams())
-    settings = GenerationSettings(max_new_tokens, SamplingParams(), (), batch_size, max_k)
+    speculation = SpeculationConfig(k=k, max_k=max_k, ngram_size=cfg.ngram_size)
+    drafter = make_drafter(system.drafter, Models(models.our_target, models.tokenizer, models.our_draft), speculation,
+                           SamplingParams())
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, max_k=max_k)
     return SpeculativeGenerator(models.our_target, models.tokenizer, drafter, make_controller(k, max_k, batch_size),
                                 settings)
 
@@ -404,14 +390,14 @@ def run_specbatch(system: System, models: BenchModels, prompts: list[Prompt], ba
     requests = [Request(p.id, list(p.ids), seed=0) for p in prompts]
     _sync(models.device)
     started = time.perf_counter()
-    completions = generator.generate(requests)
+    result = generator.generate(requests)
     _sync(models.device)
     wall = time.perf_counter() - started
-    errors = [c.error for c in completions if c.error]
+    errors = [c.error for c in result.completions if c.error]
     if errors:
         raise BenchError(f"{system.name} failed on {len(errors)} prompts: {errors[0]}")
-    s = generator.stats
-    return Run([c.token_ids for c in completions], wall, s.target_passes, s.row_passes,
+    s = result.stats
+    return Run([c.token_ids for c in result.completions], wall, s.target_passes, s.row_passes,
                [float(a) for a in s.accept_by_position], [int(c) for c in s.k_hist])
 
 
@@ -588,7 +574,7 @@ def run_pipeline(cfg: BenchConfig, models: BenchModels, workloads: dict[str, lis
 
     from pipeline.driver import run_job
     from pipeline.planner import plan_shards
-    from workers.shard_runner import Models, ShardRunner
+    from workers.shard_runner import ShardRunner
 
     p = cfg.pipeline
     by_id = {f"{pr.id}~{c}": pr for c in range(p.copies) for pr in workloads[p.workload]}

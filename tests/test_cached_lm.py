@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tests.tiny_models import tiny_llama
-from workers.cached_lm import CachedLM
-from workers.fused_decoder import FusedDecoder
+from workers.engine.cached_lm import CachedLM
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.fused_decoder import FusedDecoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -16,14 +17,14 @@ def test_rows_of_different_lengths_match_full_forward(fused, monkeypatch):
     model = tiny_llama(64, layers=2, seed=3)
     if not fused:
         monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda m: False))
-    lm = CachedLM(model, max_rows=3, capacity=64)
-    assert (lm.fused is not None) == fused
+    lm = CachedLM(DecodingModel.prepare(model), max_rows=3, capacity=64)
+    assert (lm.model.fused is not None) == fused
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
     steps = [[20, 21, 22], [23, 24, 25], [26, 27, 28]]
     lm.prefill(prompts, 0)
-    logits = lm.forward(torch.tensor([[p[-1]] + s for p, s in zip(prompts, steps)]))
+    logits = lm.logits(torch.tensor([[p[-1]] + s for p, s in zip(prompts, steps)]))
     lm.advance(torch.tensor([2, 1, 4]))  # keep different numbers of the fed tokens per row, as after a verify
-    after = lm.forward(torch.tensor([[40], [41], [42]]))
+    after = lm.logits(torch.tensor([[40], [41], [42]]))
     for row, (prompt, step) in enumerate(zip(prompts, steps)):
         full = model(torch.tensor([prompt + step])).logits[0, len(prompt) - 1 :]
         torch.testing.assert_close(logits[row], full.float(), rtol=1e-6, atol=1e-6)
@@ -33,8 +34,20 @@ def test_rows_of_different_lengths_match_full_forward(fused, monkeypatch):
 
 def test_slot_moves_keep_a_row_intact():
     model = tiny_llama(64, layers=2, seed=4)
-    lm = CachedLM(model, max_rows=2, capacity=32)
+    lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)
     lm.prefill([[1, 2, 3], [4, 5, 6, 7, 8]], 0)
     lm.move(1, 0)
-    logits = lm.forward(torch.tensor([[9]]))
+    logits = lm.logits(torch.tensor([[9]]))
     torch.testing.assert_close(logits[0, 0], model(torch.tensor([[4, 5, 6, 7, 9]])).logits[0, -1].float())
+
+
+def test_preparing_leaves_the_source_model_untouched():
+    """The bench runs transformers' own generate on the model it prepared: its weights must not change."""
+    model = tiny_llama(64, layers=2, seed=5)
+    before = {name: (t.data_ptr(), t.stride(), t.clone()) for name, t in model.state_dict().items()}
+    DecodingModel.prepare(model)
+    for name, t in model.state_dict().items():
+        ptr, stride, values = before[name]
+        assert (t.data_ptr(), t.stride()) == (ptr, stride), name
+        assert torch.equal(t, values), name
+    assert not any(name.startswith("_specbatch") for name in vars(model))

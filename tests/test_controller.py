@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from tests.tiny_models import OracleDrafter, StubTokenizer, tiny_llama
-from workers.controller import AdaptiveK, CostModel, FixedK, StepRecord
-from workers.generator import GenerationSettings, Request, SpeculativeGenerator
-from workers.sampling import verify_greedy
+from workers.engine.controller import AdaptiveK, CostModel, FixedK, StepRecord
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
+from workers.engine.sampling import verify_greedy
 
 
 def leviathan(alpha: float, k: int) -> float:
@@ -91,9 +92,10 @@ def test_generator_tokens_per_pass_with_synthetic_drafter_match_leviathan(long_r
     target, prompts, references = long_run
     controller = Recorder(k)
     drafter = OracleDrafter(references, alpha, VOCAB, seed=11)
-    generator = SpeculativeGenerator(target, StubTokenizer(), drafter, controller,
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), StubTokenizer(), drafter, controller,
                                      GenerationSettings(max_new_tokens=LONG, batch_size=ROWS, max_k=8))
-    results = generator.generate([Request(str(i), p, i) for i, p in enumerate(prompts)])
+    result = generator.generate([Request(str(i), p, i) for i, p in enumerate(prompts)])
+    results, stats = result.completions, result.stats
     assert [r.token_ids for r in results] == [references[tuple(p)] for p in prompts]
 
     full = np.concatenate([s.accepted[s.offered == k] for s in controller.steps]) + 1.0
@@ -101,7 +103,6 @@ def test_generator_tokens_per_pass_with_synthetic_drafter_match_leviathan(long_r
     assert len(full) >= 150
     assert abs(full.mean() - expected) < 4.5 * sd, (full.mean(), expected, len(full))
     # accounting: each row-step yields its accepted drafts plus one token, and nothing is lost at the edges
-    stats = generator.stats
     row_steps = sum(len(s.accepted) for s in controller.steps)
     assert stats.generated_tokens == ROWS * LONG == stats.accepted_tokens + row_steps
     assert stats.target_passes == len(controller.steps)

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from tests.tiny_models import OracleDrafter, tiny_draft, tiny_llama, tiny_tokenizer
-from workers.controller import FixedK
-from workers.drafters import ModelDrafter, NgramDrafter, NoDrafter
-from workers.generator import GenerationSettings, Request, SpeculativeGenerator
-from workers.sampling import SamplingParams
+from workers.engine.controller import FixedK
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.drafter import NoDrafter
+from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
+from workers.engine.model_drafter import ModelDrafter
+from workers.engine.ngram_drafter import NgramDrafter
+from workers.engine.sampling import SamplingParams
 
 MAX_K = 4
 GREEDY = SamplingParams()
@@ -74,7 +77,7 @@ def make_drafter(name: str, draft, references, prompt_ids, vocab: int, sampling:
     if name == "ngram":
         return NgramDrafter(3)
     if name == "model":
-        return ModelDrafter(draft, sampling)
+        return ModelDrafter(DecodingModel.prepare(draft), sampling)
     if name == "synthetic":
         return OracleDrafter({tuple(p): r for p, r in zip(prompt_ids, references)}, alpha=0.6, vocab_size=vocab, seed=7)
     raise ValueError(name)
@@ -82,16 +85,16 @@ def make_drafter(name: str, draft, references, prompt_ids, vocab: int, sampling:
 
 def run(target, tok, drafter, k: int, requests: list[Request], **settings):
     settings = {"max_new_tokens": MAX_NEW, "max_k": MAX_K, **settings}
-    generator = SpeculativeGenerator(target, tok, drafter, FixedK(k), GenerationSettings(**settings))
-    return generator, generator.generate(requests)
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), tok, drafter, FixedK(k), GenerationSettings(**settings))
+    result = generator.generate(requests)
+    return result.stats, result.completions
 
 
 def requests_for(prompt_ids, seed0: int = 0) -> list[Request]:
     return [Request(f"r{i}", list(ids), seed0 + i) for i, ids in enumerate(prompt_ids)]
 
 
-def check_stats(generator, k: int) -> None:
-    stats = generator.stats
+def check_stats(stats, k: int) -> None:
     assert stats.target_passes > 0
     assert int(stats.k_hist.sum()) == stats.target_passes
     assert int(stats.k_hist[k + 1 :].sum()) == 0 and stats.k_hist[k] > 0  # FixedK; less only where budgets end
@@ -107,15 +110,14 @@ def check_stats(generator, k: int) -> None:
 @pytest.mark.parametrize("drafter_name", ["none", "ngram", "model", "synthetic"])
 def test_greedy_equals_transformers_generate(tok, target, draft, prompt_ids, references, drafter_name, k, batch_size):
     drafter = make_drafter(drafter_name, draft, references, prompt_ids, len(tok))
-    generator, results = run(target, tok, drafter, k, requests_for(prompt_ids), batch_size=batch_size)
+    stats, results = run(target, tok, drafter, k, requests_for(prompt_ids), batch_size=batch_size)
     for ids, ref, result in zip(prompt_ids, references, results):
         assert result.token_ids == ref, f"prompt of {len(ids)} tokens"
         assert result.finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
         assert result.text == tok.decode(ref, skip_special_tokens=True)
         assert result.prompt_tokens == len(ids)
         assert result.error is None
-    check_stats(generator, k)
-    stats = generator.stats
+    check_stats(stats, k)
     assert stats.generated_tokens == sum(len(r) for r in references)
     assert stats.prompt_tokens == sum(len(p) for p in prompt_ids)
     # every step verifies at least one token per live row, so speculation can only save passes
@@ -142,9 +144,10 @@ def test_rows_hitting_eos_early_leave_the_batch(tok, prompt_ids, drafter_name):
         def observe(self, step):
             live_rows.append(len(step.offered))
 
-    generator = SpeculativeGenerator(target, tok, drafter, Counting(3),
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), tok, drafter, Counting(3),
                                      GenerationSettings(max_new_tokens=MAX_NEW, max_k=MAX_K, batch_size=2))
-    results = generator.generate(requests_for(prompt_ids))
+    result = generator.generate(requests_for(prompt_ids))
+    stats, results = result.stats, result.completions
     # every row-step yields at least one token, so finished rows cannot have stayed in the batch
     assert max(live_rows) == 2 and sum(live_rows) <= sum(len(r) for r in references)
     for ref, result in zip(references, results):
@@ -153,8 +156,8 @@ def test_rows_hitting_eos_early_leave_the_batch(tok, prompt_ids, drafter_name):
             assert result.finish_reason == "stop"
         else:
             assert result.finish_reason == "length" and len(result.token_ids) == MAX_NEW
-    assert generator.stats.generated_tokens == sum(len(r) for r in references)
-    check_stats(generator, 3)
+    assert stats.generated_tokens == sum(len(r) for r in references)
+    check_stats(stats, 3)
 
 
 def pick_stop(text: str) -> str:
@@ -170,7 +173,7 @@ def test_stop_strings(tok, target, draft, prompt_ids, references, drafter_name, 
     stop = pick_stop(tok.decode(references[1], skip_special_tokens=True))
     stops = (stop, "never appears \u2603")
     drafter = make_drafter(drafter_name, draft, references, prompt_ids, len(tok))
-    generator, results = run(target, tok, drafter, k, requests_for(prompt_ids), batch_size=batch_size, stop=stops)
+    stats, results = run(target, tok, drafter, k, requests_for(prompt_ids), batch_size=batch_size, stop=stops)
     stopped = 0
     for ref, result in zip(references, results):
         full = tok.decode(ref, skip_special_tokens=True)
@@ -188,7 +191,7 @@ def test_stop_strings(tok, target, draft, prompt_ids, references, drafter_name, 
         assert stop not in result.text
         assert full.startswith(result.text + stop)
     assert stopped >= 1
-    check_stats(generator, k)
+    check_stats(stats, k)
 
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "model"])
@@ -204,14 +207,14 @@ def test_empty_and_overlong_prompts(tok, prompt_ids, drafter_name):
     refs = [hf_greedy(target, ids, max_new) if ids else None for ids in kept]
 
     drafter = make_drafter(drafter_name, tiny_draft(target), None, None, len(tok))
-    generator, results = run(target, tok, drafter, 3, requests, batch_size=2, max_new_tokens=max_new, overlong="error")
+    stats, results = run(target, tok, drafter, 3, requests, batch_size=2, max_new_tokens=max_new, overlong="error")
     for ids, ref, result in zip(batch, refs, results):
         if not ids or len(ids) > budget:
             assert result.finish_reason == "error" and result.error and result.token_ids == []
         else:  # the rest of the batch completes, the prompt of exactly `budget` tokens included
             assert result.finish_reason == "length" and result.token_ids == ref
     assert "context" in results[1].error and str(context) in results[1].error
-    check_stats(generator, 3)
+    check_stats(stats, 3)
 
     drafter = make_drafter(drafter_name, tiny_draft(target), None, None, len(tok))
     _, results = run(target, tok, drafter, 3, requests, batch_size=2, max_new_tokens=max_new, overlong="truncate")
@@ -231,12 +234,12 @@ def test_sampling_is_reproducible_and_independent_of_k_batch_and_deterministic_d
     outputs, drafted = {}, 0
     for name, k, batch_size in [("ngram", 0, 1), ("ngram", 2, 3), ("ngram", 4, 1), ("ngram", 4, 4), ("ngram", 1, 6),
                                 ("none", 3, 2), ("greedy-model", 3, 2)]:
-        drafter = ModelDrafter(draft, SamplingParams()) if name == "greedy-model" else make_drafter(
+        drafter = ModelDrafter(DecodingModel.prepare(draft), SamplingParams()) if name == "greedy-model" else make_drafter(
             name, draft, None, None, len(tok))
-        generator, results = run(target, tok, drafter, k, requests, batch_size=batch_size, sampling=SAMPLING)
+        stats, results = run(target, tok, drafter, k, requests, batch_size=batch_size, sampling=SAMPLING)
         outputs[(name, k, batch_size)] = [r.token_ids for r in results]
-        drafted += generator.stats.drafted_tokens if name == "ngram" else 0
-        check_stats(generator, k)
+        drafted += stats.drafted_tokens if name == "ngram" else 0
+        check_stats(stats, k)
     assert drafted > 0, "the n-gram drafter proposed nothing; k would not matter"
     first = next(iter(outputs.values()))
     for key, tokens in outputs.items():
@@ -251,9 +254,9 @@ def test_leviathan_path_is_reproducible_across_runs_and_batch_sizes(tok, target,
     requests = requests_for(prompt_ids, seed0=5)
     outputs = []
     for batch_size in (1, 3, 3):
-        generator, results = run(target, tok, ModelDrafter(draft, SAMPLING), 3, requests, batch_size=batch_size,
+        stats, results = run(target, tok, ModelDrafter(DecodingModel.prepare(draft), SAMPLING), 3, requests, batch_size=batch_size,
                                  sampling=SAMPLING)
         outputs.append([r.token_ids for r in results])
-        check_stats(generator, 3)
-        assert generator.stats.accepted_tokens > 0
+        check_stats(stats, 3)
+        assert stats.accepted_tokens > 0
     assert outputs[0] == outputs[1] == outputs[2]

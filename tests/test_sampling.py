@@ -20,12 +20,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import workers.generator as generator_module
+import workers.engine.generator as generator_module
 from tests.tiny_models import StubTokenizer, tiny_draft, tiny_llama
-from workers.controller import FixedK
-from workers.drafters import ModelDrafter, pack
-from workers.generator import GenerationSettings, Request, SpeculativeGenerator
-from workers.sampling import (
+from workers.engine.controller import FixedK
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.drafter import Drafter, pack
+from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
+from workers.engine.model_drafter import ModelDrafter
+from workers.engine.sampling import (
     SamplingParams,
     Verdict,
     inverse_cdf,
@@ -137,8 +139,8 @@ def target():
 def drafts(target):
     """Greedy drafts (the deterministic path) come from a draft sharing the target's first layer; sampled
     drafts (the Leviathan path) from an unrelated model. Both disagree with the target often."""
-    return {"deterministic-draft": ModelDrafter(tiny_draft(target), SamplingParams()),
-            "leviathan": ModelDrafter(tiny_llama(V, seed=2, hidden=32), SamplingParams())}
+    return {"deterministic-draft": ModelDrafter(DecodingModel.prepare(tiny_draft(target)), SamplingParams()),
+            "leviathan": ModelDrafter(DecodingModel.prepare(tiny_llama(V, seed=2, hidden=32)), SamplingParams())}
 
 
 def drafter_for(drafts, path: str, params: SamplingParams) -> ModelDrafter:
@@ -154,14 +156,14 @@ def exact(target):
 def sample_first_tokens(target, drafter, params: SamplingParams, n: int, k: int = 2, seed0: int = 0):
     """n completions of three tokens from n seeds, all in one batch; returns (pair counts, third counts)."""
     settings = GenerationSettings(max_new_tokens=3, sampling=params, batch_size=n, max_k=k)
-    generator = SpeculativeGenerator(target, StubTokenizer(), drafter, FixedK(k), settings)
-    results = generator.generate([Request(str(i), PROMPT, seed0 + i) for i in range(n)])
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), StubTokenizer(), drafter, FixedK(k), settings)
+    result = generator.generate([Request(str(i), PROMPT, seed0 + i) for i in range(n)])
     pairs, thirds = np.zeros((V, V)), np.zeros(V)
-    for result in results:
-        a, b, c = result.token_ids
+    for completion in result.completions:
+        a, b, c = completion.token_ids
         pairs[a, b] += 1
         thirds[c] += 1
-    return pairs, thirds, generator.stats
+    return pairs, thirds, result.stats
 
 
 def acceptance(stats) -> float:
@@ -265,13 +267,7 @@ def test_a_wrong_sampler_fails_the_same_check(target, drafts, exact, monkeypatch
 def test_greedy_k_changes_nothing_under_sampling_with_a_plugged_in_drafter(target, exact):
     """A plugged-in deterministic drafter proposing a fixed, mostly wrong, cycle of tokens."""
 
-    class Cycle:
-        passes_per_token = 0
-
-        def start(self, max_rows, capacity): ...
-        def admit(self, rows, start): ...
-        def move(self, src, dst): ...
-
+    class Cycle(Drafter):
         def propose(self, rows, k, caps):
             return pack([[(row.tokens[-1] + j + 1) % V for j in range(min(k, cap))] for row, cap in zip(rows, caps)], k)
 

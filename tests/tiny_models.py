@@ -7,6 +7,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from workers.engine.drafter import Drafter, pack
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ["the quick brown fox jumps over the lazy dog", "rewrite this sentence politely please",
@@ -62,12 +64,10 @@ class StubTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """A plugged-in drafter that knows the target's greedy continuation of every prompt (`references`,
     keyed by the prompt's token tuple) and proposes each next token correctly with probability `alpha`,
     independently per position, and a wrong token otherwise. Its acceptance is therefore known exactly."""
-
-    passes_per_token = 0
 
     def __init__(self, references: dict[tuple[int, ...], list[int]], alpha: float, vocab_size: int, seed: int = 0):
         import numpy as np
@@ -76,13 +76,7 @@ class OracleDrafter:
         self.rng = np.random.default_rng(seed)
         self.proposed = 0
 
-    def start(self, max_rows: int, capacity: int) -> None: ...
-    def admit(self, rows, start: int) -> None: ...
-    def move(self, src: int, dst: int) -> None: ...
-
     def propose(self, rows, k: int, caps: list[int]):
-        from workers.drafters import pack
-
         drafts = []
         for row, cap in zip(rows, caps):
             reference = self.references[tuple(row.tokens[: row.prompt_len])]

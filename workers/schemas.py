@@ -24,6 +24,11 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("error", pa.string()),  # null when the row is fine
         pa.field("seed", pa.int64(), nullable=False),
         pa.field("prompt_tokens", pa.int32()),
+        # this row's speculation: verify passes it took part in, drafts verified and accepted, the drafter
+        pa.field("target_passes", pa.int32()),
+        pa.field("drafted_tokens", pa.int32()),
+        pa.field("accepted_tokens", pa.int32()),
+        pa.field("drafter", pa.string()),
     ]
 )
 

@@ -9,23 +9,13 @@ import json
 import platform
 import resource
 import time
-from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
 
 from workers.config import JobConfig
-from workers.controller import AdaptiveK, Controller, FixedK
-from workers.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from workers.generator import (
-    Completion,
-    GenerationSettings,
-    GenerationStats,
-    Request,
-    SpeculativeGenerator,
-)
-from workers.models import load_model, load_tokenizer
-from workers.sampling import SamplingParams
+from workers.engine.generator import Completion, GenerationStats, Request
+from workers.registry import Models, encode_prompt, load_models, make_generator, pick_device
 from workers.schemas import output_schema
 from workers.shard_io import InputRow, ShardSpec, read_shard, write_shard_output
 from workers.storage import join, write_bytes_atomic
@@ -35,52 +25,6 @@ def row_seed(job_seed: int, row_id: str, sample_index: int) -> int:
     """A 63-bit seed from the job seed, row id and sample index: stable across processes and machines."""
     digest = hashlib.blake2b(f"{job_seed}\x00{row_id}\x00{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def pick_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-@dataclass
-class Models:
-    target: torch.nn.Module
-    tokenizer: object
-    draft: torch.nn.Module | None
-
-
-def load_models(config: JobConfig, device: torch.device) -> Models:
-    m, options = config.model, config.input.storage_options
-    target = load_model(m.target, m.dtype, device, options, m.trust_remote_code)
-    tokenizer = load_tokenizer(m.target, options, m.trust_remote_code)
-    draft = None
-    if m.drafter == "model":
-        draft = load_model(m.draft, m.dtype, device, options, m.trust_remote_code)
-        draft_tokenizer = load_tokenizer(m.draft, options, m.trust_remote_code)
-        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"draft model {m.draft} does not share the target's tokenizer ({m.target})")
-    return Models(target, tokenizer, draft)
-
-
-def make_drafter(kind: str, ngram_size: int, draft: torch.nn.Module | None, sampling: SamplingParams) -> Drafter:
-    """The drafter a config names (`none`, `ngram` or `model`)."""
-    return {"none": NoDrafter, "ngram": lambda: NgramDrafter(ngram_size),
-            "model": lambda: ModelDrafter(draft, sampling)}[kind]()
-
-
-def make_controller(k: int | str, max_k: int, rows: int) -> Controller:
-    """`adaptive` or a fixed k."""
-    return AdaptiveK(max_k, rows) if k == "adaptive" else FixedK(int(k))
-
-
-def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
-    g, s = config.generation, config.speculation
-    sampling = SamplingParams(g.temperature, g.top_k, g.top_p)
-    max_k = s.max_k if s.k == "adaptive" else int(s.k)
-    drafter = make_drafter(config.model.drafter, s.ngram_size, models.draft, sampling)
-    controller = make_controller(s.k, max_k, config.resources.batch_size)
-    settings = GenerationSettings(g.max_new_tokens, sampling, tuple(g.stop), config.resources.batch_size, max_k,
-                                  config.input.overlong)
-    return SpeculativeGenerator(models.target, models.tokenizer, drafter, controller, settings)
 
 
 class ShardRunner:
@@ -95,13 +39,7 @@ class ShardRunner:
             raise ValueError(f"model {config.model.target} has no chat template; set generation.chat_template: false")
 
     def _encode(self, row: InputRow) -> list[int]:
-        tok = self.models.tokenizer
-        if row.messages is not None:
-            return list(tok.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"])
-        if self.config.generation.chat_template:
-            return self._encode(InputRow(row.id, None, [{"role": "user", "content": row.prompt}]))
-        return tok(row.prompt, add_special_tokens=True)["input_ids"]
+        return encode_prompt(self.models.tokenizer, row.prompt, row.messages, self.config.generation.chat_template)
 
     def _requests(self, rows: list[InputRow]) -> tuple[list[Request], list[tuple[InputRow, int, int, str | None]]]:
         """One request per (row, sample); rows that cannot run keep their error and no request."""
@@ -135,12 +73,11 @@ class ShardRunner:
             torch.cuda.reset_peak_memory_stats()
         rows = read_shard(spec, self.config.input, self.config.output.keep_columns)
         requests, slots = self._requests(rows)
-        before = _snapshot(self.generator.stats)
-        completions = iter(self.generator.generate(requests))
-        table = self._table(slots, completions)
+        result = self.generator.generate(requests)
+        table = self._table(slots, iter(result.completions))
         out = self.config.output
         write_shard_output(out.path, spec.shard_id, table, out.storage_options)
-        stats = self._stats(spec, before, table, time.perf_counter() - started, attempt)
+        stats = self._stats(spec, result.stats, table, time.perf_counter() - started, attempt)
         write_bytes_atomic(join(out.path, "stats", "parts", f"{spec.shard_id}.json"),
                            json.dumps(stats).encode(), out.storage_options)
         return stats
@@ -154,13 +91,14 @@ class ShardRunner:
                             "completion": None if done.error else done.text,
                             "completion_token_ids": done.token_ids, "completion_tokens": len(done.token_ids),
                             "finish_reason": done.finish_reason, "error": done.error, "seed": seed,
-                            "prompt_tokens": done.prompt_tokens, **row.keep})
+                            "prompt_tokens": done.prompt_tokens, "target_passes": done.target_passes,
+                            "drafted_tokens": done.drafted_tokens, "accepted_tokens": done.accepted_tokens,
+                            "drafter": None if done.error else self.config.model.drafter, **row.keep})
         keep = self.config.output.keep_columns
         keep_fields = [pa.field(c, pa.array([r[c] for r in records]).type if records else pa.null()) for c in keep]
         return pa.Table.from_pylist(records, schema=output_schema(keep_fields))
 
-    def _stats(self, spec: ShardSpec, before: GenerationStats, table: pa.Table, wall: float, attempt: int) -> dict:
-        s = _delta(before, self.generator.stats)
+    def _stats(self, spec: ShardSpec, s: GenerationStats, table: pa.Table, wall: float, attempt: int) -> dict:
         failed = sum(1 for r in table.column("finish_reason").to_pylist() if r == "error")
         return {
             "shard_id": spec.shard_id, "worker_id": self.worker_id, "node": platform.node(),
@@ -175,22 +113,6 @@ class ShardRunner:
             "k_hist": [int(c) for c in s.k_hist], "draft_s": s.draft_s, "verify_s": s.verify_s,
             "peak_mem_bytes": _peak_memory(self.device), "attempt": attempt, "failed_rows": failed,
         }
-
-
-def _snapshot(stats: GenerationStats) -> GenerationStats:
-    copy = GenerationStats(stats.max_k)
-    for name, value in vars(stats).items():
-        setattr(copy, name, value.copy() if hasattr(value, "copy") else value)
-    return copy
-
-
-def _delta(before: GenerationStats, after: GenerationStats) -> GenerationStats:
-    """The counters of one shard: the generator's running totals minus those before the shard."""
-    delta = GenerationStats(after.max_k)
-    for name, value in vars(after).items():
-        if name != "max_k":
-            setattr(delta, name, value - getattr(before, name))
-    return delta
 
 
 def _peak_memory(device: torch.device) -> int:

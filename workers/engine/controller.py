@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -28,23 +27,29 @@ class StepRecord:
     verify_s: float
 
 
-class Controller(Protocol):
-    def choose(self, n_rows: int) -> int: ...
-    def observe(self, step: StepRecord) -> None: ...
-    def admit(self, start: int, count: int) -> None: ...
-    def move(self, src: int, dst: int) -> None: ...
+class Controller:
+    """Base class: `choose` the draft length for the next step; the hooks feed it what happened and keep
+    per-slot state in step with the live batch (no-ops here)."""
+
+    def choose(self, n_rows: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, step: StepRecord) -> None:
+        """What the step that used the chosen k did."""
+
+    def admit(self, start: int, count: int) -> None:
+        """`count` new rows enter slots start.."""
+
+    def move(self, src: int, dst: int) -> None:
+        """The row in slot `src` now lives in slot `dst`."""
 
 
-class FixedK:
+class FixedK(Controller):
     def __init__(self, k: int):
         self.k = k
 
     def choose(self, n_rows: int) -> int:
         return self.k
-
-    def observe(self, step: StepRecord) -> None: ...
-    def admit(self, start: int, count: int) -> None: ...
-    def move(self, src: int, dst: int) -> None: ...
 
 
 def expected_tokens(alpha: np.ndarray, k: int) -> np.ndarray:
@@ -97,7 +102,7 @@ class CostModel:
         return self.draft_per_token * k
 
 
-class AdaptiveK:
+class AdaptiveK(Controller):
     """Per-row acceptance per position and online costs -> the k with the most tokens per second.
 
     Acceptance is counted, not averaged: decayed hits / tries per position over a prior worth a few

@@ -11,6 +11,11 @@ import torch
 
 _MASK64 = (1 << 64) - 1
 
+# Random streams: independent uniforms for the same (seed, position), one stream per use.
+TARGET_STREAM = 0       # the target's own draw at each output position
+ACCEPT_STREAM = 1       # accept/reject tests against a sampled draft's q
+DRAFT_STREAM = 2        # a sampling draft model's own draws
+
 
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -90,21 +95,23 @@ def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch
     "draw y from p with the position's own uniform and accept while y == x". That form is used for
     them, so a row's completion is the same whatever k and drafter were used.
     """
+    # logits (n, w, vocab) for w = 1 + k fed positions; drafts (n, k); draft_lens (n,); draft_probs (n, k, vocab)
     probs = probabilities(logits, params)
     rows, width = probs.shape[0], probs.shape[1]
-    u = uniforms(seeds, positions, width, stream=0)
+    u = uniforms(seeds, positions, width, stream=TARGET_STREAM)
     if draft_probs is None:
         targets = inverse_cdf(probs, u)
         return _verdict(drafts, draft_lens, targets, drafts == targets[:, : drafts.shape[1]])
     k = drafts.shape[1]
+    # p_x, q_x (n, k): the target's and the draft's probability of each drafted token
     p_x = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     q_x = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    u_accept = uniforms(seeds, positions, k, stream=1).to(probs.device)
+    u_accept = uniforms(seeds, positions, k, stream=ACCEPT_STREAM).to(probs.device)
     accept = u_accept < (p_x.double() / q_x.double().clamp_min(1e-30))
     valid = torch.arange(k, device=drafts.device) < draft_lens.unsqueeze(1)
     accepted = (accept & valid).long().cumprod(1).sum(1)
     at = accepted.view(rows, 1, 1).expand(rows, 1, probs.shape[-1])
-    p_next = probs.gather(1, at).squeeze(1)
+    p_next = probs.gather(1, at).squeeze(1)  # (n, vocab): the target's distribution at the first unaccepted position
     # q is zero past the last draft (a row that drafted nothing, or all k accepted: bonus token from p);
     # built with an explicit shape because draft_probs has no column to copy when no row drafted.
     padded_q = torch.cat([draft_probs, draft_probs.new_zeros(rows, 1, probs.shape[-1])], 1)

@@ -2,8 +2,8 @@
 transformers' modules with four matmuls per layer (fused QKV, fused gate/up) and no module overhead.
 
 Decoding at small batch is dominated by per-op overhead and GEMV bandwidth, so fewer, larger matmuls
-against contiguous (in, out) weights pay off. The model's own Linear weights become views into the
-fused buffers: no extra memory, and the transformers model keeps working unchanged.
+against contiguous (in, out) weights pay off. The fused weights are this object's own copies: the
+transformers model is left untouched (a caller that keeps only the FusedDecoder frees the originals).
 """
 from __future__ import annotations
 
@@ -14,21 +14,16 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from workers.kv_cache import SlotCache
+from workers.engine.kv_cache import SlotCache
 
 SUPPORTED = {"llama", "qwen2"}
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One contiguous (in, sum(out)) weight; each Linear's weight becomes a view of its columns."""
+    """One contiguous (in, sum(out)) weight, and the concatenated bias when every Linear has one."""
     fused = torch.cat([m.weight.detach() for m in linears], 0).t().contiguous()
     biases = [m.bias for m in linears]
     bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    start = 0
-    for m in linears:
-        out = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(fused[:, start : start + out].t(), requires_grad=False)
-        start += out
     return fused, bias
 
 
@@ -69,18 +64,12 @@ class FusedDecoder:
         return (cfg.model_type in SUPPORTED and cfg.hidden_act == "silu" and not getattr(cfg, "mlp_bias", False)
                 and not getattr(cfg, "use_sliding_window", False) and not getattr(cfg, "pretraining_tp", 1) > 1)
 
-    @staticmethod
-    def of(model: PreTrainedModel) -> "FusedDecoder":
-        """The model's fused decoder, built once (generators are created per shard)."""
-        if getattr(model, "_specbatch_fused", None) is None:
-            model._specbatch_fused = FusedDecoder(model)
-        return model._specbatch_fused
-
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """tokens, positions (n, q); mask (n, 1, q, kv_len) additive -> final hidden states (n, q, hidden)."""
         n, q = tokens.shape
         h = self.embed(tokens)
         cos, sin = self.rotary(h, positions)

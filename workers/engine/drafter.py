@@ -1,0 +1,77 @@
+"""The drafter interface: cheap guesses of the target's next tokens.
+
+A drafter sees the generator's live rows (slots 0..n-1, each with its tokens so far) and proposes
+up to k tokens per row. The `LiveBatch` calls every hook in step with the target's cache; a drafter
+overrides only the hooks it needs (the base class's are no-ops).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Row:
+    """A live row as drafters see it: the tokens so far (prompt + generated), its sampling seed, and its
+    own speculation counters (they go into the output row)."""
+    tokens: list[int]
+    prompt_len: int
+    seed: int
+    target_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor                 # (n, k) long; entries past a row's length are padding
+    lengths: torch.Tensor                # (n,) long: drafts proposed per row (0..k)
+    probs: torch.Tensor | None = None    # (n, k, vocab) when drafts were sampled from a distribution
+
+
+def pack(drafts: list[list[int]], k: int) -> Proposal:
+    """Pad per-row draft lists into a Proposal."""
+    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    tokens = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long).view(len(drafts), k)
+    return Proposal(tokens, lengths)
+
+
+class Drafter:
+    """Base class. `propose` is the one method every drafter has; the rest keep per-slot state in step."""
+
+    name = "none"
+    passes_per_token = 0  # draft forward passes per proposed token (1 for a draft model, 0 model-free)
+
+    def start(self, max_rows: int, capacity: int) -> None:
+        """A generate() call begins with room for `max_rows` rows of up to `capacity` tokens."""
+
+    def admit(self, rows: list[Row], start: int, hidden: torch.Tensor | None) -> None:
+        """Rows enter slots start..; `hidden` (n, longest prompt - 1, d) holds the target's final hidden
+        states over each prompt but its last token (padding past a row's length), or None."""
+
+    def verified(self, rows: list[Row], hidden: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify pass: the target's final hidden states (n, width, d) of the tokens it was fed
+        (each row's last token, then its drafts) and the drafts accepted per row (n,). Called before the
+        verified tokens are appended to the rows."""
+
+    def move(self, src: int, dst: int) -> None:
+        """The row in slot `src` now lives in slot `dst` (a finished row's slot is reused)."""
+
+    def retire(self, row: Row) -> None:
+        """A row finished; a drafter that learns from the job's outputs reads it here."""
+
+    def propose(self, rows: list[Row], k: int, caps: list[int]) -> Proposal:
+        """Up to min(k, caps[i]) draft tokens for each row."""
+        raise NotImplementedError
+
+
+class NoDrafter(Drafter):
+    """Plain decoding: proposes nothing."""
+
+    def propose(self, rows: list[Row], k: int, caps: list[int]) -> Proposal:
+        return pack([[] for _ in rows], 0)

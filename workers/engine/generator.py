@@ -1,0 +1,246 @@
+"""The batched speculative generator: draft up to k tokens per row, verify them all in one target pass.
+
+Each step reads like gpt-fast's speculative_decode, batched: plan (how far each row may draft) ->
+draft -> verify -> accept. Live rows sit in the slots of a `LiveBatch`, each with its own cached
+length, so rows accept different numbers of tokens per step without padding or recomputation. A row
+that finishes leaves at once and a waiting prompt is admitted, keeping the batch full.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from workers.engine.cached_lm import CachedLM
+from workers.engine.controller import Controller, StepRecord
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.drafter import Drafter, Proposal, Row
+from workers.engine.live_batch import LiveBatch
+from workers.engine.sampling import SamplingParams, Verdict, verify_greedy, verify_sampled
+from workers.engine.stats import GenerationStats
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    seed: int
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str              # stop | length | error
+    error: str | None = None
+    prompt_tokens: int = 0
+    target_passes: int = 0          # verify passes this row took part in
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass(kw_only=True)
+class GenerationSettings:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    batch_size: int = 16
+    max_k: int = 8
+    overlong: str = "truncate"      # truncate (keep the prompt's end) | error
+
+
+@dataclass
+class GenerationResult:
+    completions: list[Completion]   # in request order
+    stats: GenerationStats          # of this call alone
+
+
+@dataclass
+class _Plan:
+    k: int                          # the batch's draft length: no row drafts further
+    offered: list[int]              # per row: positions it may draft, min(k, its remaining budget)
+    shadow: list[int] = field(default_factory=list)  # at k = 0: the free one-token guesses (see _draft)
+
+
+def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every token id that ends a row: the generation config's (one or a list) and the tokenizer's."""
+    ids = getattr(generation_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class SpeculativeGenerator:
+    def __init__(self, target: DecodingModel, tokenizer: PreTrainedTokenizerBase, drafter: Drafter,
+                 controller: Controller, settings: GenerationSettings):
+        self.target, self.tokenizer, self.drafter, self.controller = target, tokenizer, drafter, controller
+        self.settings = settings
+        self.eos = eos_ids(target.model.generation_config, tokenizer)
+        self.context = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+
+    def _fit(self, request: Request) -> tuple[list[int] | None, str | None]:
+        """Apply the overlong policy: keep the prompt's end, or explain why the row cannot run."""
+        budget = self.context - self.settings.max_new_tokens
+        ids = request.prompt_ids
+        if not ids:
+            return None, "prompt is empty after tokenization"
+        if len(ids) <= budget:
+            return ids, None
+        if self.settings.overlong == "truncate" and budget > 0:
+            return ids[-budget:], None
+        return None, (f"prompt has {len(ids)} tokens; with max_new_tokens={self.settings.max_new_tokens} "
+                      f"it exceeds the model context of {self.context} tokens")
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request]) -> GenerationResult:
+        """Complete every request."""
+        stats = GenerationStats(self.settings.max_k)
+        results: list[Completion | None] = [None] * len(requests)
+        runnable = []
+        for i, request in enumerate(requests):
+            ids, error = self._fit(request)
+            if error:
+                results[i] = Completion([], "", "error", error, len(request.prompt_ids))
+            else:
+                runnable.append((i, Request(request.id, ids, request.seed)))
+        if runnable:
+            self._run(runnable, results, stats)
+        return GenerationResult(results, stats)  # type: ignore[arg-type]
+
+    def _run(self, runnable: list[tuple[int, Request]], results: list[Completion | None], stats: GenerationStats) -> None:
+        s = self.settings
+        slots = min(s.batch_size, len(runnable))
+        capacity = max(len(r.prompt_ids) for _, r in runnable) + s.max_new_tokens + s.max_k + 2
+        self.drafter.start(slots, capacity)
+        batch = LiveBatch(CachedLM(self.target, slots, capacity), self.drafter, self.controller)
+        waiting = deque(sorted(runnable, key=lambda item: len(item[1].prompt_ids)))
+        while waiting or batch:
+            if waiting and len(batch) < slots:
+                started = time.perf_counter()
+                admitted = [waiting.popleft() for _ in range(min(slots - len(batch), len(waiting)))]
+                batch.admit([(i, Row(list(r.prompt_ids), len(r.prompt_ids), r.seed)) for i, r in admitted])
+                stats.prompt_tokens += sum(len(r.prompt_ids) for _, r in admitted)
+                stats.prefill_s += time.perf_counter() - started
+            self._step(batch, results, stats)
+
+    def _step(self, batch: LiveBatch, results: list[Completion | None], stats: GenerationStats) -> None:
+        rows = batch.rows
+        plan = self._plan(rows)
+        started = time.perf_counter()
+        proposal, shadow = self._draft(rows, plan)
+        drafted = time.perf_counter()
+        verdict, lens, width = self._verify(batch, proposal)
+        verified = time.perf_counter()
+        accepted = verdict.accepted.tolist()
+        stats.record(plan.k, lens, accepted)
+        stats.draft_passes += plan.k * self.drafter.passes_per_token if proposal is not None else 0
+        stats.draft_s += drafted - started
+        stats.verify_s += verified - drafted
+        for row, drafted_len, acc in zip(rows, lens, accepted):
+            row.target_passes, row.drafted, row.accepted = row.target_passes + 1, row.drafted + drafted_len, row.accepted + acc
+        offered = plan.offered
+        if shadow is not None:
+            offered = plan.shadow  # a row with no guess missed, as it would have when drafting
+            accepted = [int(n > 0 and guess[0] == new[0]) for n, guess, new in
+                        zip(shadow.lengths.tolist(), shadow.tokens.tolist(), verdict.tokens)]
+        self.controller.observe(StepRecord(plan.k, np.array(offered), np.array(accepted), width + 1,
+                                           drafted - started, verified - drafted))
+        self._accept(batch, verdict, results, stats)
+
+    def _plan(self, rows: list[Row]) -> _Plan:
+        """The controller's k, capped per row by the tokens it may still generate."""
+        budgets = [self.settings.max_new_tokens - r.generated - 1 for r in rows]
+        chosen = self.controller.choose(len(rows))
+        offered = [max(0, min(chosen, b)) for b in budgets]
+        return _Plan(max(offered, default=0), offered, [min(1, max(0, b)) for b in budgets])
+
+    def _draft(self, rows: list[Row], plan: _Plan) -> tuple[Proposal | None, Proposal | None]:
+        """The proposal to verify, and at k = 0 a model-free drafter's shadow guess.
+
+        The shadow guess costs microseconds; comparing it with the token the target then picks measures
+        acceptance for free, so the controller knows when speculation would pay again without spending a
+        wider verify pass to find out."""
+        if plan.k:
+            return self.drafter.propose(rows, plan.k, plan.offered), None
+        if self.drafter.passes_per_token == 0 and any(plan.shadow):
+            return None, self.drafter.propose(rows, 1, plan.shadow)
+        return None, None
+
+    def _verify(self, batch: LiveBatch, proposal: Proposal | None) -> tuple[Verdict, list[int], int]:
+        """One target pass over each row's last token and its drafts; the drafts it accepts, per row."""
+        n, s = len(batch), self.settings
+        lens = torch.zeros(n, dtype=torch.long) if proposal is None else proposal.lengths
+        width = int(lens.max()) if n else 0
+        drafts = torch.zeros(n, 0, dtype=torch.long) if proposal is None else proposal.tokens[:, :width]  # (n, width)
+        inputs = torch.cat([torch.tensor([[r.tokens[-1]] for r in batch.rows]), drafts], 1)      # (n, width + 1)
+        hidden = batch.target.forward(inputs)                                                   # (n, width + 1, d)
+        logits = self.target.logits(hidden)
+        device = logits.device
+        if s.sampling.greedy:
+            verdict = verify_greedy(logits, drafts.to(device), lens.to(device))
+        else:
+            probs = None if proposal is None or proposal.probs is None else proposal.probs[:, :width]
+            verdict = verify_sampled(logits, drafts.to(device), lens.to(device), s.sampling,
+                                     [r.seed for r in batch.rows], [r.generated for r in batch.rows], probs)
+        self.drafter.verified(batch.rows, hidden, verdict.accepted)
+        return verdict, lens.tolist(), width
+
+    def _accept(self, batch: LiveBatch, verdict: Verdict, results: list[Completion | None], stats: GenerationStats) -> None:
+        """Keep each row's verified tokens in the cache and the row; retire the rows that finished."""
+        batch.target.advance(verdict.accepted + 1)
+        finished = []
+        for slot, (index, row, new) in enumerate(zip(batch.indexes, batch.rows, verdict.tokens)):
+            before = row.generated
+            done = self._append(row, new)
+            stats.generated_tokens += row.generated - before
+            if done is not None:
+                results[index] = done
+                finished.append(slot)
+        batch.retire(finished)
+
+    def _append(self, row: Row, new: list[int]) -> Completion | None:
+        """Add verified tokens to a row; return its Completion if it has finished."""
+        reason = None
+        for i, token in enumerate(new):
+            if token in self.eos:
+                new, reason = new[: i + 1], "stop"
+                break
+        room = self.settings.max_new_tokens - row.generated
+        if len(new) > room or (len(new) == room and reason is None):
+            new, reason = new[:room], "length"
+        before = row.generated
+        row.tokens.extend(new)
+        generated = row.tokens[row.prompt_len :]
+        if self.settings.stop:
+            cut = self._stop_cut(generated, before)
+            if cut is not None:
+                del row.tokens[row.prompt_len + cut[0] :]
+                return self._completion(row, cut[1], "stop")
+        if reason is None:
+            return None
+        return self._completion(row, self.tokenizer.decode(generated, skip_special_tokens=True), reason)
+
+    @staticmethod
+    def _completion(row: Row, text: str, reason: str) -> Completion:
+        return Completion(row.tokens[row.prompt_len :], text, reason, None, row.prompt_len, row.target_passes,
+                          row.drafted, row.accepted)
+
+    def _stop_cut(self, generated: list[int], before: int) -> tuple[int, str] | None:
+        """If a stop string appeared, the fewest tokens that contain it and the text before it.
+
+        One decode of the completion per step finds whether a stop appeared; only then are the step's
+        new tokens decoded one prefix at a time to find where (a stop spans tokens, and decoding is not
+        additive across token boundaries)."""
+        if not any(stop in self.tokenizer.decode(generated, skip_special_tokens=True) for stop in self.settings.stop):
+            return None
+        for m in range(before + 1, len(generated) + 1):
+            text = self.tokenizer.decode(generated[:m], skip_special_tokens=True)
+            cuts = [text.find(stop) for stop in self.settings.stop if stop in text]
+            if cuts:
+                return m, text[: min(cuts)]
+        return None
