@@ -4,7 +4,8 @@ The loop it serves: run a first slice of a big job, `specbatch distill CONFIG --
 the rest with `model.drafter: mtp` and `model.draft` naming the head. Without --from, the config's own
 prompts are completed here by the project's generator with the config's sampling, so the head learns the
 job's real workload. Prompts are split by id into a training and a held-out set; the report's acceptance is
-measured on held-out prompts only. `--minutes` bounds the whole command, data generation included. The options are defined in jobs/cli.py.
+measured on held-out prompts only. `--minutes` bounds the whole command, data generation included.
+The command's options are defined with the others in jobs/cli.py.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tqdm import tqdm
 from pipeline.job_config import load_config
 from pipeline.planner import plan_shards
 from workers.config import JobConfig
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.generator import Request, SpeculativeGenerator
 from workers.models import load_model, load_tokenizer
 from workers.mtp_distill import (
     TrainSettings,
@@ -32,8 +35,9 @@ from workers.mtp_distill import (
     train,
 )
 from workers.mtp_head import HeadSpec, MTPHead, head_parameters, save_head
+from workers.registry import Models, encode_prompt, make_generator, pick_device
 from workers.shard_io import InputRow, read_shard
-from workers.shard_runner import Models, ShardRunner, pick_device
+from workers.shard_runner import row_seed
 from workers.storage import list_files, read_bytes, safe_url
 
 Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
@@ -52,24 +56,32 @@ def input_rows(config: JobConfig) -> list[InputRow]:
     return [row for row in rows if row.error is None]
 
 
-def generate(runner: ShardRunner, rows: list[InputRow], deadline: float, progress: bool) -> list[Sequence]:
-    """Complete rows with the project's generator, a few batches at a time, until the rows or the time run out."""
-    requests, _ = runner._requests(rows)
-    chunk = 2 * runner.config.resources.batch_size
+def encode(config: JobConfig, tokenizer, row: InputRow) -> list[int]:
+    """A row's prompt ids, as the job's workers encode them."""
+    return encode_prompt(tokenizer, row.prompt, row.messages, config.generation.chat_template)
+
+
+def generate(generator: SpeculativeGenerator, config: JobConfig, tokenizer, rows: list[InputRow], deadline: float,
+             progress: bool) -> list[Sequence]:
+    """Complete rows (every sample, seeded as the job would) a few batches at a time, until the rows or the
+    time run out."""
+    requests = [Request(f"{row.id}/{sample}", encode(config, tokenizer, row), row_seed(config.generation.seed, row.id, sample))
+                for row in rows for sample in range(config.generation.samples_per_prompt)]
+    chunk = 2 * config.resources.batch_size
     sequences: list[Sequence] = []
     with tqdm(total=len(requests), desc="completions", unit="row", disable=not progress) as bar:
         for begin in range(0, len(requests), chunk):
             if time.perf_counter() >= deadline:
                 break
             batch = requests[begin : begin + chunk]
-            for request, done in zip(batch, runner.generator.generate(batch)):
+            for request, done in zip(batch, generator.generate(batch).completions):
                 if done.finish_reason != "error":
                     sequences.append((request.prompt_ids, done.token_ids))
             bar.update(len(batch))
     return sequences
 
 
-def output_sequences(url: str, config: JobConfig, runner: ShardRunner) -> list[tuple[str, Sequence]]:
+def output_sequences(url: str, config: JobConfig, tokenizer) -> list[tuple[str, Sequence]]:
     """(row id, sequence) for every completed row of a job's output, prompts encoded as that job's worker did."""
     options = config.output.storage_options
     files = list_files(url.rstrip("/") + "/data", options, [".parquet"])
@@ -85,16 +97,16 @@ def output_sequences(url: str, config: JobConfig, runner: ShardRunner) -> list[t
             chat = config.input.messages_column is not None
             row = InputRow(record["id"], None if chat else record["prompt"],
                            json.loads(record["prompt"]) if chat else None)
-            found.append((record["id"], (runner._encode(row), list(record["completion_token_ids"]))))
+            found.append((record["id"], (encode(config, tokenizer, row), list(record["completion_token_ids"]))))
     return found
 
 
-def collect(args: argparse.Namespace, config: JobConfig, runner: ShardRunner, started: float,
+def collect(args: argparse.Namespace, config: JobConfig, models: Models, started: float,
             budget: float) -> tuple[list[Sequence], list[Sequence], dict]:
     """Training and held-out sequences, and a description of where they came from."""
     progress = not args.quiet
     if args.source:
-        found = output_sequences(args.source, config, runner)
+        found = output_sequences(args.source, config, models.tokenizer)
         train_seqs = [s for rid, s in found if not is_heldout(rid, args.heldout)]
         held_seqs = [s for rid, s in found if is_heldout(rid, args.heldout)]
         source = f"job output {safe_url(args.source)}"
@@ -104,8 +116,10 @@ def collect(args: argparse.Namespace, config: JobConfig, runner: ShardRunner, st
         held_rows = [r for r in rows if is_heldout(r.id, args.heldout)]
         train_rows = [r for r in rows if not is_heldout(r.id, args.heldout)]
         deadline = started + args.data_share * budget
-        held_seqs = generate(runner, held_rows, deadline, progress)
-        train_seqs = generate(runner, train_rows, deadline, progress)
+        generating = config.model_copy(update={"model": config.model.model_copy(update={"drafter": "ngram"})})
+        generator = make_generator(generating, models)
+        held_seqs = generate(generator, config, models.tokenizer, held_rows, deadline, progress)
+        train_seqs = generate(generator, config, models.tokenizer, train_rows, deadline, progress)
         source = f"generated here from {safe_url(config.input.path)}"
         prompts = len(rows)
     if not train_seqs or not held_seqs:
@@ -132,10 +146,8 @@ def run_distill(args: argparse.Namespace) -> int:
     m, options = config.model, config.input.storage_options
     device = pick_device()
     target = load_model(m.target, m.dtype, device, options, m.trust_remote_code)
-    tokenizer = load_tokenizer(m.target, options, m.trust_remote_code)
-    generating = config.model_copy(update={"model": m.model_copy(update={"drafter": "ngram", "draft": None})})
-    runner = ShardRunner(generating, "distill", Models(target, tokenizer, None))
-    train_seqs, held_seqs, workload = collect(args, config, runner, started, budget)
+    models = Models(DecodingModel.prepare(target), load_tokenizer(m.target, options, m.trust_remote_code))
+    train_seqs, held_seqs, workload = collect(args, config, models, started, budget)
     data_s = time.perf_counter() - started
     examples = target_features(target, train_seqs, progress=progress)
     heldout = target_features(target, held_seqs, progress=progress)
@@ -161,7 +173,7 @@ def run_distill(args: argparse.Namespace) -> int:
     }
     report["speed"] = {}
     for rows in sorted({1, config.resources.batch_size}):
-        costs = measure_costs(head, target, rows)
+        costs = measure_costs(head, models.target, rows)
         report["speed"][f"batch_{rows}"] = {
             "draft_ms": 1e3 * costs["draft_s"], "verify_ms": {q: 1e3 * s for q, s in costs["verify_s"].items()},
             "expected": expected_speedup(report["heldout_accept_by_position"], costs)}

@@ -21,6 +21,7 @@ from pipeline.report import summarize, write_report
 from workers.actor import GenerationWorker
 from workers.config import JobConfig
 from workers.models import check_model_path
+from workers.mtp_head import read_spec
 from workers.shard_io import ShardSpec
 from workers.storage import safe_url
 
@@ -107,6 +108,8 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
     started = time.time()
     for path in filter(None, (config.model.target, config.model.draft if config.model.drafter == "model" else None)):
         check_model_path(path, config.input.storage_options)
+    if config.model.drafter == "mtp":
+        read_spec(config.model.draft, config.input.storage_options)  # no head there: fail before any worker starts
     state = JobState(config)
     plan = plan_shards(config)
     resumed = state.claim(overwrite)

@@ -12,10 +12,16 @@ import pytest
 import torch
 
 from jobs.cli import main
-from tests.tiny_models import tiny_llama, tiny_tokenizer
-from workers.controller import FixedK
-from workers.drafters import NoDrafter
-from workers.generator import GenerationSettings, Request, SpeculativeGenerator
+from pipeline.driver import JobFailed, run_job
+from tests.pipeline_helpers import make_config, prompts, read_output
+from tests.test_generator import hf_greedy
+from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+from workers.engine.controller import AdaptiveK, FixedK
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.drafter import NoDrafter
+from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
+from workers.engine.mtp_drafter import CachedHead, MTPDrafter
+from workers.engine.sampling import SamplingParams
 from workers.mtp_distill import (
     TrainSettings,
     _collate,
@@ -26,7 +32,6 @@ from workers.mtp_distill import (
     unroll,
 )
 from workers.mtp_head import (
-    CachedHead,
     HeadMismatch,
     HeadSpec,
     MTPHead,
@@ -53,10 +58,21 @@ def examples(tok, target):
     """Greedy completions of 40 random prompts, with the target's features."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randrange(3, 12))] for _ in range(40)]
-    generator = SpeculativeGenerator(target, tok, NoDrafter(), FixedK(0),
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), tok, NoDrafter(), FixedK(0),
                                      GenerationSettings(max_new_tokens=32, batch_size=8, max_k=0))
-    done = generator.generate([Request(str(i), p, 0) for i, p in enumerate(prompts)])
+    done = generator.generate([Request(str(i), p, 0) for i, p in enumerate(prompts)]).completions
     return target_features(target, [(p, d.token_ids) for p, d in zip(prompts, done)])
+
+
+@pytest.fixture(scope="module")
+def trained(target, examples):
+    """Heads distilled for a few seconds: full vocabulary and a reduced one."""
+    heads = {}
+    for name, vocab in (("full", None), ("reduced", frequent_tokens(examples, 160))):
+        heads[name] = new_head(target, vocab)
+        train(heads[name], examples, examples[:4], TrainSettings(seconds=120, max_steps=100, batch_tokens=512,
+                                                                  eval_every_s=1e9), progress=False)
+    return heads
 
 
 def new_head(target, draft_vocab: torch.Tensor | None = None, seed: int = 0) -> MTPHead:
@@ -70,11 +86,10 @@ def new_head(target, draft_vocab: torch.Tensor | None = None, seed: int = 0) -> 
 
 def test_features_are_the_targets_own(target, examples):
     e = examples[0]
-    with torch.no_grad():  # the generator made the target's weights inference tensors
+    with torch.no_grad():
         assert torch.equal(target(input_ids=e.tokens[None]).logits[0].argmax(-1), e.greedy)
-        # the captured state is the input of the final norm: normed, it is what the LM head reads
-        normed = target.get_decoder()(input_ids=e.tokens[None]).last_hidden_state[0]
-        assert torch.allclose(target.get_decoder().norm(e.hidden), normed, atol=1e-5)
+        # the state the LM head reads (after the final norm), as the verify pass hands it to the drafter
+        assert torch.allclose(target.get_decoder()(input_ids=e.tokens[None]).last_hidden_state[0], e.hidden, atol=1e-5)
     # greedy data: the target's choice at each completion position is the token it then emitted
     assert torch.equal(e.greedy[e.start - 1 : -1], e.tokens[e.start :])
 
@@ -177,3 +192,56 @@ def test_distill_command_writes_a_loadable_head(model_dir, tmp_path, write_input
     from workers.models import load_model
 
     assert load_head(str(out), load_model(model_dir, "float32", torch.device("cpu"))).spec.draft_vocab <= 64
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("k", [1, 2, 4, "adaptive"])
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_greedy_with_the_head_equals_transformers_generate(tok, target, examples, trained, vocab, k, batch_size):
+    prompts = [e.tokens[: e.start].tolist() for e in examples[:5]] + [tok("why is the sky")["input_ids"], [5]]
+    references = [hf_greedy(target, p, 20) for p in prompts]
+    controller = AdaptiveK(4, batch_size) if k == "adaptive" else FixedK(k)
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), tok, MTPDrafter(DecodingModel.prepare(target), trained[vocab], SamplingParams()),
+                                     controller, GenerationSettings(max_new_tokens=20, batch_size=batch_size, max_k=4))
+    result = generator.generate([Request(str(i), p, i) for i, p in enumerate(prompts)])
+    assert [c.token_ids for c in result.completions] == references
+    stats = result.stats
+    assert stats.accepted_by_position[0] > 0.2 * stats.attempted_by_position[0] > 0, "the head should draft well here"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("local_ray")
+def test_the_loop_run_distill_from_the_output_rerun_with_the_head(model_dir, tmp_path, write_input, capsys):
+    """A first job, `specbatch distill --from` its output, the same job again with the head: same output,
+    which is transformers' greedy output."""
+    path = write_input(str(tmp_path / "in.jsonl"), prompts(24))
+    first = make_config(model_dir, path, str(tmp_path / "first"), generation={"max_new_tokens": 16})
+    run_job(first, progress=False)
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(json.dumps(first.model_dump(mode="json")))
+    head = str(tmp_path / "head")
+    assert main(["distill", str(config_file), "--from", first.output.path, "--out", head, "--minutes", "2",
+                 "--steps", "30", "--heldout", "0.2", "--quiet"]) == 0
+    assert read_report(head)["workload"]["source"].startswith("job output")
+    second = make_config(model_dir, path, str(tmp_path / "second"), generation={"max_new_tokens": 16},
+                         model={"drafter": "mtp", "draft": head})
+    run_job(second, progress=False)
+    tokens = lambda config: {r["id"]: r["completion_token_ids"] for r in read_output(config)}  # noqa: E731
+    assert tokens(second) == tokens(first)
+    rows = read_output(second)
+    assert sum(r["drafted_tokens"] for r in rows) > 0 and {r["drafter"] for r in rows} == {"mtp"}
+    from workers.models import load_model, load_tokenizer
+    from workers.registry import encode_prompt
+
+    target, tok = load_model(model_dir, "float32", torch.device("cpu")), load_tokenizer(model_dir)
+    for row in rows[:3]:
+        assert row["completion_token_ids"] == hf_greedy(target, encode_prompt(tok, row["prompt"], None, True), 16)
+    other = tiny_tokenizer()
+    narrower = save_model_dir(tmp_path / "narrower", tiny_llama(len(other), hidden=32, dtype=torch.float32), other)
+    mismatched = make_config(str(narrower), path, str(tmp_path / "third"), model={"drafter": "mtp", "draft": head})
+    with pytest.raises(JobFailed, match="hidden size 64.*hidden size 32"):
+        run_job(mismatched, progress=False)
+    assert not (tmp_path / "third" / "data").exists()
+    missing = make_config(model_dir, path, str(tmp_path / "fourth"), model={"drafter": "mtp", "draft": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match="holds no MTP head"):
+        run_job(missing, progress=False)

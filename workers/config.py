@@ -117,14 +117,14 @@ class OutputConfig(_Section):
 class ModelConfig(_Section):
     target: str
     draft: str | None = None
-    drafter: Literal["model", "ngram", "none"] = "ngram"
+    drafter: Literal["model", "mtp", "ngram", "none"] = "ngram"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     trust_remote_code: bool = False
 
     @model_validator(mode="after")
     def _draft_present(self) -> ModelConfig:
-        if self.drafter == "model" and not self.draft:
-            raise _key_error("draft", "required when drafter is 'model'")
+        if self.drafter in ("model", "mtp") and not self.draft:
+            raise _key_error("draft", f"required when drafter is '{self.drafter}'")
         return self
 
 

@@ -1,7 +1,8 @@
 """Distil an MTP head from the target's own completions, and measure what it would buy.
 
-Features come from one no-grad target forward over prompt + completion: the pre-norm last hidden state h_i
-(captured at the input of the target's final norm) and the target's greedy token at every position.
+Features come from one no-grad target forward over prompt + completion: the last hidden state h_i as the
+LM head reads it (after the final norm, as the verify pass gives it to the drafter) and the target's greedy
+token at every position.
 Training unrolls the head `depth` times the way drafting chains it: depth d at anchor i reads the head's
 own state from depth d-1 and the token t_{i+d}, and attends to the real entries 0..i and to the chained
 entries of anchor i only (EAGLE-3's training-time test). Loss: cross-entropy on the realised tokens plus
@@ -21,14 +22,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from workers.cached_lm import CachedLM
-from workers.mtp_head import CachedHead, MTPHead
+from workers.engine.cached_lm import CachedLM
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.mtp_drafter import CachedHead, draft_rows
+from workers.mtp_head import MTPHead
 
 
 @dataclass
 class Example:
     tokens: torch.Tensor    # (L,) prompt + completion
-    hidden: torch.Tensor    # (L, d) the target's pre-norm last hidden states, fp32
+    hidden: torch.Tensor    # (L, d) the target's last hidden states (after the final norm), fp32
     greedy: torch.Tensor    # (L,) the target's argmax at each position: its choice for the next token
     start: int              # index of the first completion token
 
@@ -39,25 +42,19 @@ def target_features(target: PreTrainedModel, sequences: list[tuple[list[int], li
     """One target forward per batch of (prompt ids, completion ids); examples come back in input order."""
     decoder, lm_head = target.get_decoder(), target.get_output_embeddings()
     device = lm_head.weight.device
-    captured: list[torch.Tensor] = []
-    hook = decoder.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     examples: list[Example | None] = [None] * len(sequences)
-    try:
-        with tqdm(total=len(sequences), desc="target features", unit="seq", disable=not progress) as bar:
-            for batch in _batches(sorted(range(len(sequences)), key=lambda i: -sum(map(len, sequences[i]))),
-                                  lambda i: sum(map(len, sequences[i])), batch_tokens):
-                rows = [sequences[i][0] + sequences[i][1] for i in batch]
-                width = max(map(len, rows))
-                ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
-                captured.clear()
-                normed = decoder(input_ids=ids).last_hidden_state  # right padding: causal rows never see it
-                greedy = torch.stack([lm_head(row).argmax(-1) for row in normed])
-                for i, row, pre, choice in zip(batch, rows, captured[0], greedy):
-                    n = len(row)
-                    examples[i] = Example(torch.tensor(row), pre[:n].float().cpu(), choice[:n].cpu(), len(sequences[i][0]))
-                bar.update(len(batch))
-    finally:
-        hook.remove()
+    with tqdm(total=len(sequences), desc="target features", unit="seq", disable=not progress) as bar:
+        for batch in _batches(sorted(range(len(sequences)), key=lambda i: -sum(map(len, sequences[i]))),
+                              lambda i: sum(map(len, sequences[i])), batch_tokens):
+            rows = [sequences[i][0] + sequences[i][1] for i in batch]
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+            hidden = decoder(input_ids=ids).last_hidden_state  # right padding: causal rows never see it
+            for i, row, states in zip(batch, rows, hidden):
+                n = len(row)
+                examples[i] = Example(torch.tensor(row), states[:n].float().cpu(), lm_head(states[:n]).argmax(-1).cpu(),
+                                      len(sequences[i][0]))
+            bar.update(len(batch))
     return examples  # type: ignore[return-value]
 
 
@@ -133,7 +130,7 @@ def unroll(head: MTPHead, batch: _Batch, depth: int) -> list[torch.Tensor]:
         visible = torch.cat([causal] + [own] * (d - 1), 1)
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
         positions = (torch.arange(anchors, device=device) + d - 1).expand(rows, anchors)
-        state = head(state, batch.tokens[:, d : d + anchors], positions, mask[None, None], cache)
+        state = head(state, batch.tokens[:, d : d + anchors], positions, mask[None, None], cache)  # chains on itself
         states.append(state)
     return states
 
@@ -257,25 +254,25 @@ def _schedule(step: int, progress: float, warmup: int = 20) -> float:
 
 
 @torch.no_grad()
-def measure_costs(head: MTPHead, target: PreTrainedModel, rows: int, context: int = 128, max_q: int = 5,
+def measure_costs(head: MTPHead, target: DecodingModel, rows: int, context: int = 128, max_q: int = 5,
                   repeats: int = 7) -> dict:
     """Median seconds of one head draft step (q = 1, logits and argmax included) and of one target verify
     pass of q = 1..max_q tokens per row, for `rows` rows with `context` cached tokens, timed interleaved."""
     capacity = context + max_q + 1
-    lm, drafter = CachedLM(target, rows, capacity), CachedHead(head, rows, capacity)
+    lm, drafter, rows_t = CachedLM(target, rows, capacity), CachedHead(head, rows, capacity), draft_rows(head, target)
     lm.prefill([[1] * (context + 1)] * rows, 0)
-    hidden = torch.randn(rows, context, head.spec.hidden_size, dtype=drafter.dtype)
+    hidden = torch.randn(rows, context, head.spec.hidden_size, dtype=drafter.dtype, device=drafter.device)
     drafter.forward(hidden, torch.ones(rows, context, dtype=torch.long))
     drafter.advance(torch.full((rows,), context))
     step_in = (hidden[:, -1:], torch.ones(rows, 1, dtype=torch.long))
     draft, verify = [], {q: [] for q in range(1, max_q + 1)}
     for _ in range(repeats):
         began = time.perf_counter()
-        drafter.logits(drafter.forward(*step_in)).argmax(-1).tolist()
+        head.logits(drafter.forward(*step_in), rows_t).argmax(-1).tolist()
         draft.append(time.perf_counter() - began)
         for q in verify:
             began = time.perf_counter()
-            lm.forward(torch.ones(rows, q, dtype=torch.long)).argmax(-1).tolist()
+            lm.logits(torch.ones(rows, q, dtype=torch.long)).argmax(-1).tolist()
             verify[q].append(time.perf_counter() - began)
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {"rows": rows, "context": context, "draft_s": median(draft),

@@ -2,11 +2,13 @@
 
     h'_i = W [RMSNorm(h_i); RMSNorm(E(t_{i+1}))]  ->  decoder block(s)  ->  target's final norm and LM head
 
-h_i is the target's last hidden state BEFORE its final norm (what DeepSeek-V3 and EAGLE feed), so the head
-predicts t_{i+2} from everything the target knew at i plus the token it chose next. The embedding, the
+h_i is the target's last hidden state as its LM head reads it (after the final norm): the verify pass
+computes it anyway, so drafting adds no target work. DeepSeek-V3 and EAGLE feed the state before the final
+norm; since the head's own RMSNorm comes first, the two differ by a fixed per-channel scale the head learns.
+The head's output goes through the target's final norm too, so it lives in the same space as h and
+drafting chains the head on its own output (EAGLE-style): k drafts cost k head passes. The embedding, the
 final norm and the LM head are the target's own tensors: shared storage, frozen, never saved. Only W, the
-two input norms and the block belong to the head (about 4M parameters for SmolLM2-135M). Drafting chains
-the head on its own output hidden state (EAGLE-style), so k drafts cost k head passes and no target work.
+two input norms and the block belong to the head (about 4M parameters for SmolLM2-135M).
 
 An optional reduced draft vocabulary (FR-Spec, EAGLE-3) restricts the draft's LM head to the V' tokens the
 target emits most; only their ids are stored. Output stays lossless: the target verifies every draft, and
@@ -29,7 +31,6 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from workers.kv_cache import SlotCache, slot_attention_inputs
 from workers.storage import exists, join, read_bytes, write_bytes_atomic
 
 WEIGHTS, CONFIG, REPORT = "head.safetensors", "config.json", "report.json"
@@ -109,28 +110,25 @@ class MTPHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 cache=None) -> torch.Tensor:
         """(n, q, d) target (or chained head) states and the tokens that followed them -> the head's own
-        pre-norm states, whose logits predict the token after `tokens`. `mask` is additive (n, 1, q, kv)."""
+        states after the target's final norm, whose logits predict the token after `tokens`.
+        `mask` is additive (n, 1, q, kv)."""
         embedded = F.embedding(tokens, self.shared.embed).to(self.proj.weight.dtype)
         x = self.proj(torch.cat([self.hidden_norm(hidden.to(self.proj.weight.dtype)), self.token_norm(embedded)], -1))
         rotary = self.rotary(x, positions)
         for layer in self.layers:
             x = layer(x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
                       position_embeddings=rotary)
-        return x
+        return F.rms_norm(x, (x.shape[-1],), self.shared.norm.to(x.dtype), self.shared.eps)
 
     def head_rows(self) -> torch.Tensor:
         """The LM head rows the draft scores, (V', d): the shared head itself, or a gather of its subset rows."""
         return self.shared.head if self.vocab_ids is None else self.shared.head[self.vocab_ids]
 
-    def normed(self, states: torch.Tensor) -> torch.Tensor:
-        """The target's own final norm, applied to head (or target) pre-norm states."""
-        return F.rms_norm(states, (states.shape[-1],), self.shared.norm.to(states.dtype), self.shared.eps)
-
     def logits(self, states: torch.Tensor, rows_t: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits over the draft vocabulary (V' entries; index i is token vocab_ids[i]); rows_t is
-        head_rows().t(), passed in by callers that keep it (CachedHead keeps a contiguous copy)."""
+        """fp32 logits over the draft vocabulary (V' entries; index i is token vocab_ids[i]) of head or target
+        states; rows_t is head_rows().t(), passed in by callers that keep one (drafting keeps it contiguous)."""
         rows_t = self.head_rows().t() if rows_t is None else rows_t
-        out = self.normed(states) @ rows_t.to(states.dtype)
+        out = states @ rows_t.to(states.dtype)
         if self.shared.head_bias is not None:
             bias = self.shared.head_bias
             out = out + (bias if self.vocab_ids is None else bias[self.vocab_ids])
@@ -176,37 +174,3 @@ def load_head(url: str, target: PreTrainedModel, storage_options: dict | None = 
 
 def read_report(url: str, storage_options: dict | None = None) -> dict:
     return json.load(io.BytesIO(read_bytes(join(url, REPORT), storage_options)))
-
-
-class CachedHead:
-    """The head over its own SlotCache, rows in slots 0..n-1 with a cached length each, as CachedLM runs the
-    target. An entry at position i holds the head's input for (h_i, t_{i+1})."""
-
-    def __init__(self, head: MTPHead, max_rows: int, capacity: int):
-        self.head = head
-        self.dtype = head.proj.weight.dtype
-        self.cache = SlotCache(max_rows, capacity)
-        self.lengths = torch.zeros(max_rows, dtype=torch.long)
-        rows = head.head_rows().t()
-        self.rows_t = rows.contiguous() if rows.device.type == "cpu" else rows  # GEMV-friendly (d, V') on CPU
-
-    @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Feed (n, q) entries to slots start..start+n-1 after their cached lengths; returns the head's states."""
-        n, q = tokens.shape
-        positions, mask, kv_len = slot_attention_inputs(self.lengths[start : start + n], q, self.dtype)
-        device = self.head.proj.weight.device
-        self.cache.rows, self.cache.write_positions, self.cache.kv_len = slice(start, start + n), positions.to(device), kv_len
-        return self.head(hidden.to(device), tokens.to(device), positions.to(device), mask.to(device), self.cache)
-
-    def logits(self, states: torch.Tensor) -> torch.Tensor:
-        """fp32 draft-vocabulary logits of head states."""
-        return self.head.logits(states, self.rows_t)
-
-    def advance(self, counts: torch.Tensor, start: int = 0) -> None:
-        self.lengths[start : start + len(counts)] += counts
-
-    @torch.inference_mode()
-    def move(self, src: int, dst: int) -> None:
-        self.cache.move(src, dst, int(self.lengths[src]))
-        self.lengths[dst] = self.lengths[src]

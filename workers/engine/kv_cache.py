@@ -53,12 +53,3 @@ class SlotCache(Cache):
     def is_compileable(self) -> bool:
         return False
 
-
-def slot_attention_inputs(lengths: torch.Tensor, q: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Positions (n, q) of q new tokens per row placed after each row's cached length, the additive mask
-    (n, 1, q, kv_len) that lets each see its own row's cache and its row's new tokens up to itself, and kv_len."""
-    positions = lengths.unsqueeze(1) + torch.arange(q)
-    kv_len = int(lengths.max()) + q
-    visible = torch.arange(kv_len).view(1, 1, kv_len) <= positions.unsqueeze(-1)
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return positions, mask.unsqueeze(1), kv_len
