@@ -44,6 +44,10 @@ Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 FINAL_RESERVE_S = 60.0  # the end of the budget: final held-out scoring, cost measurement, save
 
 
+class DistillError(ValueError):
+    """Distillation cannot run as asked; the message says what is missing."""
+
+
 def is_heldout(row_id: str, fraction: float) -> bool:
     """A stable split by row id: the same prompts are held out on every run and machine."""
     digest = hashlib.blake2b(row_id.encode(), digest_size=8).digest()
@@ -62,13 +66,13 @@ def encode(config: JobConfig, tokenizer, row: InputRow) -> list[int]:
 
 
 def generate(generator: SpeculativeGenerator, config: JobConfig, tokenizer, rows: list[InputRow], deadline: float,
-             progress: bool) -> list[Sequence]:
-    """Complete rows (every sample, seeded as the job would) a few batches at a time, until the rows or the
-    time run out."""
-    requests = [Request(f"{row.id}/{sample}", encode(config, tokenizer, row), row_seed(config.generation.seed, row.id, sample))
+             progress: bool) -> list[tuple[str, Sequence]]:
+    """(row id, sequence) for rows (every sample, seeded as the job would), completed a few batches at a time
+    in input order, so that held-out and training rows share the time, until the rows or the time run out."""
+    requests = [Request(row.id, encode(config, tokenizer, row), row_seed(config.generation.seed, row.id, sample))
                 for row in rows for sample in range(config.generation.samples_per_prompt)]
     chunk = 2 * config.resources.batch_size
-    sequences: list[Sequence] = []
+    sequences: list[tuple[str, Sequence]] = []
     with tqdm(total=len(requests), desc="completions", unit="row", disable=not progress) as bar:
         for begin in range(0, len(requests), chunk):
             if time.perf_counter() >= deadline:
@@ -76,7 +80,7 @@ def generate(generator: SpeculativeGenerator, config: JobConfig, tokenizer, rows
             batch = requests[begin : begin + chunk]
             for request, done in zip(batch, generator.generate(batch).completions):
                 if done.finish_reason != "error":
-                    sequences.append((request.prompt_ids, done.token_ids))
+                    sequences.append((request.id, (request.prompt_ids, done.token_ids)))
             bar.update(len(batch))
     return sequences
 
@@ -104,27 +108,20 @@ def output_sequences(url: str, config: JobConfig, tokenizer) -> list[tuple[str, 
 def collect(args: argparse.Namespace, config: JobConfig, models: Models, started: float,
             budget: float) -> tuple[list[Sequence], list[Sequence], dict]:
     """Training and held-out sequences, and a description of where they came from."""
-    progress = not args.quiet
     if args.source:
         found = output_sequences(args.source, config, models.tokenizer)
-        train_seqs = [s for rid, s in found if not is_heldout(rid, args.heldout)]
-        held_seqs = [s for rid, s in found if is_heldout(rid, args.heldout)]
         source = f"job output {safe_url(args.source)}"
-        prompts = len({rid for rid, _ in found})
     else:
-        rows = input_rows(config)
-        held_rows = [r for r in rows if is_heldout(r.id, args.heldout)]
-        train_rows = [r for r in rows if not is_heldout(r.id, args.heldout)]
-        deadline = started + args.data_share * budget
         generating = config.model_copy(update={"model": config.model.model_copy(update={"drafter": "ngram"})})
-        generator = make_generator(generating, models)
-        held_seqs = generate(generator, config, models.tokenizer, held_rows, deadline, progress)
-        train_seqs = generate(generator, config, models.tokenizer, train_rows, deadline, progress)
+        found = generate(make_generator(generating, models), config, models.tokenizer, input_rows(config),
+                         started + args.data_share * budget, not args.quiet)
         source = f"generated here from {safe_url(config.input.path)}"
-        prompts = len(rows)
+    train_seqs = [s for rid, s in found if not is_heldout(rid, args.heldout)]
+    held_seqs = [s for rid, s in found if is_heldout(rid, args.heldout)]
+    prompts = len({rid for rid, _ in found})
     if not train_seqs or not held_seqs:
-        raise ValueError(f"distill needs completions for both training and held-out prompts; got {len(train_seqs)} "
-                         f"training and {len(held_seqs)} held-out sequences (more prompts, time or --heldout)")
+        raise DistillError(f"distill needs completions of both training and held-out prompts; got {len(train_seqs)} "
+                           f"training and {len(held_seqs)} held-out sequences (more prompts, time or --heldout)")
     g = config.generation
     workload = {"config": config.name, "source": source, "prompts": prompts,
                 "sampling": {"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k},
@@ -147,7 +144,11 @@ def run_distill(args: argparse.Namespace) -> int:
     device = pick_device()
     target = load_model(m.target, m.dtype, device, options, m.trust_remote_code)
     models = Models(DecodingModel.prepare(target), load_tokenizer(m.target, options, m.trust_remote_code))
-    train_seqs, held_seqs, workload = collect(args, config, models, started, budget)
+    try:
+        train_seqs, held_seqs, workload = collect(args, config, models, started, budget)
+    except (DistillError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     data_s = time.perf_counter() - started
     examples = target_features(target, train_seqs, progress=progress)
     heldout = target_features(target, held_seqs, progress=progress)

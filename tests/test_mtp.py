@@ -180,6 +180,8 @@ def test_distill_command_writes_a_loadable_head(model_dir, tmp_path, write_input
                                   "model": {"target": model_dir}, "generation": {"max_new_tokens": 16},
                                   "resources": {"batch_size": 4}}))
     out = tmp_path / "head"
+    assert main(["distill", str(config), "--minutes", "0", "--out", str(out), "--quiet"]) == 1
+    assert "needs completions of both training and held-out prompts; got 0" in capsys.readouterr().err
     assert main(["distill", str(config), "--minutes", "2", "--steps", "20", "--out", str(out), "--quiet",
                  "--heldout", "0.25", "--draft-vocab", "64"]) == 0
     report = read_report(str(out))
