@@ -179,6 +179,7 @@ def run_distill(args: argparse.Namespace) -> int:
             "draft_ms": 1e3 * costs["draft_s"], "verify_ms": {q: 1e3 * s for q, s in costs["verify_s"].items()},
             "expected": expected_speedup(report["heldout_accept_by_position"], costs)}
     report["minutes"]["total"] = (time.perf_counter() - started) / 60
+    report["minutes"]["cpu_total"] = time.process_time() / 60  # CPU time of all threads: the machine's share
     save_head(head, out, report, config.output.storage_options)
     print(describe(report, out))
     return 0
