@@ -48,6 +48,7 @@ from workers.engine.decoding_model import DecodingModel
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator, eos_ids
 from workers.engine.sampling import SamplingParams
 from workers.models import DEMO_MODEL, load_model, load_tokenizer
+from workers.mtp_head import MTPHead, load_head
 from workers.registry import Models, encode_prompt, make_controller, make_drafter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,7 @@ class _Strict(BaseModel):
 class BenchModelConfig(_Strict):
     target: str = DEMO_MODEL
     draft: str | None = None
+    mtp_head: str | None = None     # an MTP head folder from `specbatch distill` for this target (the mtp drafter)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -93,7 +95,7 @@ class BenchConfig(_Strict):
     ks: list[int] = Field(default_factory=lambda: [0, 1, 2, 4, 8])
     adaptive: bool = True
     max_k: int = Field(8, ge=1, le=64)
-    drafters: list[Literal["ngram", "model"]] = Field(default_factory=lambda: ["ngram"], min_length=1)
+    drafters: list[Literal["ngram", "model", "mtp"]] = Field(default_factory=lambda: ["ngram"], min_length=1)
     ngram_size: int = Field(3, ge=1)
     max_new_tokens: int = Field(128, ge=1)
     repeats: int = Field(3, ge=1)
@@ -111,6 +113,8 @@ class BenchConfig(_Strict):
             raise ValueError("batch_sizes must be >= 1")
         if "model" in self.drafters and not self.model.draft:
             raise ValueError("drafters lists 'model' but model.draft is not set")
+        if "mtp" in self.drafters and not self.model.mtp_head:
+            raise ValueError("drafters lists 'mtp' but model.mtp_head is not set")
         if self.pipeline.enabled and self.pipeline.workload not in self.workloads:
             raise ValueError(f"pipeline.workload {self.pipeline.workload!r} is not among workloads {self.workloads}")
         return self
@@ -227,6 +231,7 @@ class BenchModels:
     our_target: DecodingModel
     hf_draft: torch.nn.Module | None
     our_draft: DecodingModel | None
+    mtp_head: MTPHead | None
     eos_ids: list[int]
     pad_id: int
     device: torch.device
@@ -250,9 +255,11 @@ def load_bench_models(cfg: BenchConfig, device: torch.device) -> BenchModels:
     for model in (hf_target, hf_draft):
         _page_in(model)
     our_draft = DecodingModel.prepare(hf_draft) if hf_draft is not None and "model" in cfg.drafters else None
+    head = load_head(m.mtp_head, hf_target) if "mtp" in cfg.drafters else None
     eos = sorted(eos_ids(hf_target.generation_config, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    return BenchModels(tokenizer, hf_target, DecodingModel.prepare(hf_target), hf_draft, our_draft, eos, pad, device)
+    return BenchModels(tokenizer, hf_target, DecodingModel.prepare(hf_target), hf_draft, our_draft, head, eos, pad,
+                       device)
 
 
 # ---------------------------------------------------------------------------------------- systems
@@ -369,14 +376,18 @@ def run_transformers(system: System, models: BenchModels, prompts: list[Prompt],
     return Run(outputs, wall, counter.passes, counter.rows, [], [])
 
 
+def our_models(models: BenchModels, drafter: str) -> Models:
+    """What a worker running this drafter would hold: the prepared target and the drafter's own weights."""
+    return Models(models.our_target, models.tokenizer, models.mtp_head if drafter == "mtp" else models.our_draft)
+
+
 def make_generator(system: System, models: BenchModels, cfg: BenchConfig, batch_size: int,
                    max_new_tokens: int) -> SpeculativeGenerator:
     """This generator as a worker would build it for the system (shard_runner.make_generator's choices)."""
     k = "adaptive" if system.schedule == "adaptive" else int(system.k)
     max_k = cfg.max_k if k == "adaptive" else k
     speculation = SpeculationConfig(k=k, max_k=max_k, ngram_size=cfg.ngram_size)
-    drafter = make_drafter(system.drafter, Models(models.our_target, models.tokenizer, models.our_draft), speculation,
-                           SamplingParams())
+    drafter = make_drafter(system.drafter, our_models(models, system.drafter), speculation, SamplingParams())
     settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, max_k=max_k)
     return SpeculativeGenerator(models.our_target, models.tokenizer, drafter, make_controller(k, max_k, batch_size),
                                 settings)
@@ -550,7 +561,8 @@ def pipeline_job(cfg: BenchConfig, input_path: Path, output_path: Path, device: 
         "input": {"path": str(input_path), "prompt_column": "prompt", "id_column": "id"},
         "output": {"path": str(output_path)},
         "model": {"target": cfg.model.target, "dtype": cfg.model.dtype, "drafter": drafter,
-                  **({"draft": cfg.model.draft} if drafter == "model" else {})},
+                  **({"draft": {"model": cfg.model.draft, "mtp": cfg.model.mtp_head}[drafter]}
+                     if drafter in ("model", "mtp") else {})},
         "generation": {"max_new_tokens": cfg.max_new_tokens, "temperature": 0.0, "chat_template": chat_template},
         "speculation": {"k": p.k, "max_k": cfg.max_k, "ngram_size": cfg.ngram_size},
         "resources": {"workers": 1, "cpus_per_worker": float(os.cpu_count() or 1),
@@ -584,7 +596,7 @@ def run_pipeline(cfg: BenchConfig, models: BenchModels, workloads: dict[str, lis
         input_path.write_text("".join(json.dumps({"id": i, "prompt": pr.text}) + "\n" for i, pr in by_id.items()))
         log(f"pipeline: {len(by_id)} rows of {p.workload}, batch {p.batch_size}, k={p.k}: ShardRunner alone")
         direct_cfg = pipeline_job(cfg, input_path, Path(tmp) / "direct", models.device, chat)
-        runner = ShardRunner(direct_cfg, "bench-direct", Models(models.our_target, models.tokenizer, models.our_draft))
+        runner = ShardRunner(direct_cfg, "bench-direct", our_models(models, cfg.drafters[0]))
         started = time.perf_counter()
         direct_stats = [runner.run(spec) for spec in plan_shards(direct_cfg).shards]
         direct_wall = time.perf_counter() - started

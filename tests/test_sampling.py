@@ -28,6 +28,7 @@ from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.drafter import Drafter, pack
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
+from workers.engine.mtp_drafter import MTPDrafter
 from workers.engine.suffix_drafter import SuffixDrafter
 from workers.engine.sampling import (
     SamplingParams,
@@ -37,6 +38,7 @@ from workers.engine.sampling import (
     uniforms,
     verify_sampled,
 )
+from workers.mtp_head import HeadSpec, MTPHead
 
 V = 12
 PROMPT = [1, 5, 7, 3]
@@ -137,17 +139,31 @@ def target():
     return model
 
 
+def mtp_head(target, vocab_ids: torch.Tensor | None) -> MTPHead:
+    torch.manual_seed(3)
+    head = MTPHead(HeadSpec.for_target(target, "tiny", 1, 0 if vocab_ids is None else len(vocab_ids)), target)
+    if vocab_ids is not None:
+        head.vocab_ids.copy_(vocab_ids)
+    return head.to(target.dtype).eval()
+
+
 @pytest.fixture(scope="module")
 def drafts(target):
     """Greedy drafts (the deterministic path) come from a draft sharing the target's first layer; sampled
-    drafts (the Leviathan path) from an unrelated model. Both disagree with the target often."""
-    return {"deterministic-draft": ModelDrafter(DecodingModel.prepare(tiny_draft(target)), SamplingParams()),
-            "leviathan": ModelDrafter(DecodingModel.prepare(tiny_llama(V, seed=2, hidden=32)), SamplingParams())}
+    drafts (the Leviathan path) from an unrelated model, or from an (untrained) MTP head on the target's own
+    states, over the whole vocabulary or over 8 of its 12 tokens (q is 0 outside them). All disagree with
+    the target often."""
+    decoding = DecodingModel.prepare(target)
+    return {"deterministic-draft": DecodingModel.prepare(tiny_draft(target)),
+            "leviathan": DecodingModel.prepare(tiny_llama(V, seed=2, hidden=32)),
+            "mtp": (decoding, mtp_head(target, None)), "mtp-reduced": (decoding, mtp_head(target, torch.arange(2, 10)))}
 
 
-def drafter_for(drafts, path: str, params: SamplingParams) -> ModelDrafter:
-    model = drafts[path].model
-    return ModelDrafter(model, SamplingParams() if path == "deterministic-draft" else params)
+def drafter_for(drafts, path: str, params: SamplingParams):
+    sampling = SamplingParams() if path == "deterministic-draft" else params
+    if path.startswith("mtp"):
+        return MTPDrafter(*drafts[path], sampling)
+    return ModelDrafter(drafts[path], sampling)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +258,7 @@ N = 3000
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan"])
+@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan", "mtp", "mtp-reduced"])
 def test_generator_samples_the_target_distribution(target, drafts, exact, params, path):
     drafter = drafter_for(drafts, path, params)
     pairs, thirds, stats = sample_first_tokens(target, drafter, params, N, k=2, seed0=1000)
@@ -256,7 +272,7 @@ def test_generator_samples_the_target_distribution(target, drafts, exact, params
 
 
 @pytest.mark.parametrize("wrong", [accept_everything, skip_residual])
-@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan"])
+@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan", "mtp"])
 def test_a_wrong_sampler_fails_the_same_check(target, drafts, exact, monkeypatch, wrong, path):
     params = PARAMS[2]
     monkeypatch.setattr(generator_module, "verify_sampled", wrong)

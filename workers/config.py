@@ -44,7 +44,7 @@ def _either(word: str, kind: type[int] | tuple[type, ...], minimum: float, label
     return PlainValidator(check)
 
 
-DRAFTER_NAMES = ("model", "ngram", "none", "suffix")  # the registry's names (workers/registry.py)
+DRAFTER_NAMES = ("model", "mtp", "ngram", "none", "suffix")  # the registry's names (workers/registry.py)
 
 
 def _drafter_names(value: Any) -> str | list[str]:
@@ -141,7 +141,7 @@ class ModelConfig(_Section):
     draft: str | None = Field(None, description="draft model sharing the target's tokenizer")
     drafter: Annotated[str | list[str], PlainValidator(_drafter_names)] = Field("ngram", description=(
         "`none`, `ngram` (prompt lookup in the row), `suffix` (an index over everything this worker has read and "
-        "written in the job), `model` (a small draft model, model.draft), or a list such as `[suffix, ngram]`: "
+        "written in the job), `model` (a small draft model at model.draft), `mtp` (an MTP head made by `specbatch distill`, at model.draft), or a list such as `[suffix, ngram]`: "
         "per row, the first drafter in the list with a confident proposal drafts"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="`auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`")
@@ -149,8 +149,11 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _draft_present(self) -> ModelConfig:
-        if "model" in self.drafters and not self.draft:
-            raise _key_error("draft", "required when drafter is 'model'")
+        needs = [name for name in ("model", "mtp") if name in self.drafters]
+        if len(needs) > 1:
+            raise _key_error("drafter", "model.draft holds one set of weights: name `model` or `mtp`, not both")
+        if needs and not self.draft:
+            raise _key_error("draft", f"required when drafter is '{needs[0]}'")
         return self
 
     @property

@@ -19,10 +19,12 @@ from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import Drafter, NoDrafter
 from workers.engine.generator import GenerationSettings, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
+from workers.engine.mtp_drafter import MTPDrafter
 from workers.engine.ngram_drafter import NgramDrafter
 from workers.engine.sampling import SamplingParams
 from workers.engine.suffix_drafter import SuffixDrafter
 from workers.models import load_model, load_tokenizer
+from workers.mtp_head import MTPHead, load_head
 
 
 @dataclass
@@ -55,11 +57,18 @@ def _load_draft_model(config: JobConfig, models: Models, device: torch.device) -
     return DecodingModel.prepare(draft)
 
 
+def _load_mtp_head(config: JobConfig, models: Models, device: torch.device) -> MTPHead:
+    """The head at model.draft, checked against the target (hidden size, vocabulary) before any generation."""
+    return load_head(config.model.draft, models.target.model, config.input.storage_options)
+
+
 register_drafter("none", DrafterKind(lambda models, spec, sampling: NoDrafter()))
 register_drafter("ngram", DrafterKind(lambda models, spec, sampling: NgramDrafter(spec.ngram_size)))
 register_drafter("model", DrafterKind(lambda models, spec, sampling: ModelDrafter(models.draft, sampling),
                                       _load_draft_model))
 register_drafter("suffix", DrafterKind(lambda models, spec, sampling: SuffixDrafter(spec.suffix_max_tokens)))
+register_drafter("mtp", DrafterKind(lambda models, spec, sampling: MTPDrafter(models.target, models.draft, sampling),
+                                    _load_mtp_head))
 
 
 def pick_device() -> torch.device:

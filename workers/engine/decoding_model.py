@@ -41,6 +41,11 @@ class DecodingModel:
         return self.model.dtype
 
     @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head as a (hidden, vocab) matrix (drafters that reuse the target's head read it)."""
+        return self.head.in_out
+
+    @property
     def embed(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
 

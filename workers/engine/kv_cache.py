@@ -59,3 +59,4 @@ class SlotCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+

@@ -26,10 +26,16 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         weight = weight.detach()
+        self.weight = weight  # the caller's (out, in) tensor, shared, not copied
         self.bias = None if bias is None else bias.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if packs(weight) else None
         plain = self.packed is None or weight.dtype == torch.float32
         self.plain = None if not plain else weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
+
+    @property
+    def in_out(self) -> torch.Tensor:
+        """The weight as an (in, out) matrix: the contiguous copy where there is one, else a view."""
+        return self.plain if self.plain is not None else self.weight.t()
 
     def _use_packed(self, x: torch.Tensor) -> bool:
         return self.packed is not None and (self.plain is None or x.numel() != x.shape[-1])
