@@ -40,7 +40,7 @@ def test_defaults():
     }
     assert config.output.keep_columns == [] and config.output.storage_options == {}
     assert config.model.model_dump() == {
-        "target": "m", "draft": None, "drafter": "ngram", "dtype": "auto", "trust_remote_code": False,
+        "target": "m", "draft": None, "drafter": "ngram", "dtype": "auto", "trust_remote_code": False, "compile": False,
     }
     assert config.generation.model_dump() == {
         "max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
