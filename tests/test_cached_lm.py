@@ -9,7 +9,7 @@ from tests.tiny_models import tiny_llama
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.fused_decoder import FusedDecoder
-from workers.engine.linear import Linear
+from workers.engine.linear import Linear, linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -80,11 +80,11 @@ def test_linear_layouts_agree_with_f_linear(rows, dtype, tol):
     torch.manual_seed(0)
     weight, bias, residual = (torch.randn(48, 32).to(dtype), torch.randn(48).to(dtype), torch.randn(rows, 48).to(dtype))
     x = torch.randn(rows, 32).to(dtype)
-    linear = Linear(weight, bias)
-    assert linear.packed is not None and (linear.plain is None) == (dtype == torch.bfloat16)
+    weights = Linear.of(weight, bias)
+    assert weights.packed is not None and (weights.plain is None) == (dtype == torch.bfloat16)
     expected = F.linear(x.float(), weight.float(), bias.float())
-    torch.testing.assert_close(linear(x).float(), expected, rtol=tol, atol=tol)
-    torch.testing.assert_close(linear.add_to(residual, x).float(), residual.float() + expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(linear(x, weights).float(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(linear(x, weights, residual).float(), residual.float() + expected, rtol=tol, atol=tol)
 
 
 def test_fp32_forward_matches_full_forward():

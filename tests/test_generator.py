@@ -9,6 +9,7 @@ the counters.
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -305,3 +306,18 @@ def test_phase_times_add_up_to_the_wall_time(tok, target, prompt_ids):
     parts = [stats.prefill_s, stats.draft_s, stats.verify_s, stats.other_s]
     assert min(parts) > 0
     assert sum(parts) == pytest.approx(wall, rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.environ.get("SPECBATCH_SLOW_TESTS") != "1",
+                    reason="torch.compile takes a minute or more on a small CPU; set SPECBATCH_SLOW_TESTS=1")
+def test_compiled_decoder_gives_the_eager_tokens(tok, prompt_ids):
+    """model.compile: the compiled layers (fp32: oneDNN matmuls as an opaque op) decode the eager path's tokens."""
+    model = tiny_llama(len(tok), layers=1, seed=1, dtype=torch.float32)
+    outputs = []
+    for compile in (False, True):
+        generator = SpeculativeGenerator(DecodingModel.prepare(model, compile=compile), tok, NgramDrafter(3), FixedK(2),
+                                         GenerationSettings(max_new_tokens=MAX_NEW, max_k=MAX_K, batch_size=3))
+        outputs.append([c.token_ids for c in generator.generate(requests_for(prompt_ids)).completions])
+    assert outputs[0] == outputs[1]

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from workers.engine.fused_decoder import FusedDecoder
 from workers.engine.kv_cache import SlotCache
-from workers.engine.linear import Linear
+from workers.engine.linear import Linear, linear
 
 
 @dataclass
@@ -23,10 +23,11 @@ class DecodingModel:
     head: Linear                       # the LM head: hidden -> vocab
 
     @classmethod
-    def prepare(cls, model: PreTrainedModel) -> DecodingModel:
+    def prepare(cls, model: PreTrainedModel, compile: bool = False) -> DecodingModel:
+        """`compile`: torch.compile the fused decoder's layers (no effect where the fused decoder does not apply)."""
         head = model.get_output_embeddings()
-        fused = FusedDecoder(model) if FusedDecoder.supports(model) else None
-        return cls(model.eval(), fused, Linear(head.weight, getattr(head, "bias", None)))
+        fused = FusedDecoder(model, compile) if FusedDecoder.supports(model) else None
+        return cls(model.eval(), fused, Linear.of(head.weight, getattr(head, "bias", None)))
 
     @property
     def config(self):
@@ -43,7 +44,8 @@ class DecodingModel:
     @property
     def head_weight(self) -> torch.Tensor:
         """The LM head as a (hidden, vocab) matrix (drafters that reuse the target's head read it)."""
-        return self.head.in_out
+        head = self.head
+        return head.plain if head.plain is not None else self.model.get_output_embeddings().weight.detach().t()
 
     @property
     def embed(self) -> torch.nn.Module:
@@ -62,4 +64,4 @@ class DecodingModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (..., vocab) for hidden states (..., hidden)."""
-        return self.head(hidden).float()
+        return linear(hidden, self.head).float()

@@ -10,6 +10,8 @@ and keeps only that. Other dtypes (fp64 in the exactness tests) and other device
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 PACK_ROWS = 64  # the row count oneDNN lays the weight out for; measured as good as 9 or 16 for 1..64 rows
@@ -21,33 +23,54 @@ def packs(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-class Linear:
-    """y = x @ weight.T + bias for a (out, in) weight, optionally added to a residual in the same kernel."""
+def _plain(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+    out = x @ plain
+    out = out if bias is None else out + bias
+    return out if residual is None else residual + out
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+
+def _packed(x: torch.Tensor, packed: torch.Tensor, plain: torch.Tensor | None, bias: torch.Tensor | None,
+            residual: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN for several rows (the residual add is the GEMM's epilogue: one kernel, same rounding); MKL's
+    GEMV on the plain layout for one row where it is kept."""
+    if plain is not None and x.numel() == x.shape[-1]:
+        return _plain(x, plain, bias, residual)
+    if residual is None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+
+@torch.library.custom_op("specbatch::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, plain: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """The packed matmul as one opaque op for torch.compile, which cannot lower oneDNN's packed weights itself."""
+    return _packed(x, packed, plain, bias, residual)
+
+
+@packed_linear.register_fake
+def _(x, packed, plain, bias, residual):
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+class Linear(NamedTuple):
+    """y = x @ weight.T + bias (+ residual) for a (out, in) weight. A tuple of tensors, so that a compiled
+    function taking one compiles once for every layer of the same shape."""
+    packed: torch.Tensor | None      # oneDNN layout
+    plain: torch.Tensor | None       # (in, out)
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         weight = weight.detach()
-        self.weight = weight  # the caller's (out, in) tensor, shared, not copied
-        self.bias = None if bias is None else bias.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if packs(weight) else None
-        plain = self.packed is None or weight.dtype == torch.float32
-        self.plain = None if not plain else weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if packs(weight) else None
+        plain = packed is None or weight.dtype == torch.float32
+        plain_weight = None if not plain else weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
+        return cls(packed, plain_weight, None if bias is None else bias.detach())
 
-    @property
-    def in_out(self) -> torch.Tensor:
-        """The weight as an (in, out) matrix: the contiguous copy where there is one, else a view."""
-        return self.plain if self.plain is not None else self.weight.t()
 
-    def _use_packed(self, x: torch.Tensor) -> bool:
-        return self.packed is not None and (self.plain is None or x.numel() != x.shape[-1])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._use_packed(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        out = x @ self.plain
-        return out if self.bias is None else out + self.bias
-
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + (x @ weight.T + bias); on oneDNN the add is the GEMM's epilogue (one kernel, same rounding)."""
-        if self._use_packed(x):
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
-        return residual + self(x)
+def linear(x: torch.Tensor, weights: Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
+    if weights.packed is None:
+        return _plain(x, weights.plain, weights.bias, residual)
+    if torch.compiler.is_compiling():
+        return packed_linear(x, *weights, residual)
+    return _packed(x, *weights, residual)  # eager: skip the custom op's dispatch cost
