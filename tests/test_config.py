@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -216,3 +218,11 @@ def test_fingerprint_tracks_output_affecting_fields_only():
     assert changed_keys(redacted(base), redacted(same)) == []
     assert changed_keys(redacted(base), redacted(hotter)) == ["generation.temperature"]
     assert changed_keys({"a": {"b": 1}}, {"a": {"c": 1}, "resources": {}}) == ["a.b", "a.c"]
+
+
+@pytest.mark.parametrize("file, name", [("demo", "demo"), ("synthetic", "synthetic"), ("structured", "structured"),
+                                        ("cluster", "cluster-example")])
+def test_shipped_job_configs_validate(file, name):
+    """Every job config shipped in configs/ loads the way `specbatch run` loads it."""
+    config = load_config(str(Path(__file__).resolve().parents[1] / "configs" / f"{file}.yaml"))
+    assert config.name == name
