@@ -83,6 +83,8 @@ def run_cells(cfg: BenchConfig, models: BenchModels, workloads: dict[str, list[P
             run_system(system, models, first[:batch_size], batch_size, cfg.warmup_tokens, cfg)
         for workload, all_prompts in workloads.items():
             prompts = cell_rows(all_prompts, cfg, batch_size)
+            if prompts is None:
+                continue
             runs: dict[str, list[Run]] = {s.name: [] for s in systems}
             peaks: dict[str, list[tuple[float, float]]] = {s.name: [] for s in systems}
             for _, system in schedule(systems, cfg.repeats):

@@ -43,6 +43,7 @@ class PipelineBenchConfig(_Strict):
 class BenchConfig(_Strict):
     model: BenchModelConfig = Field(default_factory=BenchModelConfig)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+    threads: int | None = Field(None, ge=1)   # torch threads for every system (None: one per CPU)
     suite: str = str(SUITE_DIR)
     split: Literal[SPLITS] = "report"
     categories: list[str] | None = Field(None, min_length=1)   # None: every category in the suite

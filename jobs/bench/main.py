@@ -17,7 +17,7 @@ from jobs.bench.models import load_bench_models
 from jobs.bench.pipeline import run_pipeline
 from jobs.bench.report import load_average, machine_info, write_outputs
 from jobs.bench.roofline import Floor
-from jobs.bench.workloads import build_workloads
+from jobs.bench.workloads import build_workloads, skipped_cells
 
 
 def _log(message: str) -> None:
@@ -29,13 +29,15 @@ def benchmark(cfg: BenchConfig, out: Path, command: str = "specbatch bench", qui
     """Run everything the config asks for and write the outputs; returns the result rows."""
     started = time.perf_counter()
     device = resolve_device(cfg.device)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     log(f"loading {cfg.model.target} ({cfg.model.dtype}) on {device}")
     models = load_bench_models(cfg, device)
     workloads = build_workloads(cfg, models.tokenizer)
     floor = Floor.measure(models.hf_target, device)
     log(f"{len(workloads)} workloads from the suite's {cfg.split} split; bandwidth {floor.bandwidth / 1e9:.1f} GB/s")
-    meta = machine_info(cfg, device, command, quick, floor)
+    meta = {**machine_info(cfg, device, command, quick, floor), "skipped": skipped_cells(cfg, workloads)}
+    for cell in meta["skipped"]:
+        log(f"skipped {cell}: the {cfg.split} split has too few prompts to fill it")
     with torch.inference_mode():
         checked = [p for prompts in workloads.values() for p in prompts[: cfg.reference_rows]]
         references = greedy_references(models, checked, cfg.max_new_tokens, log)

@@ -154,6 +154,8 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
             f"{_mean_k(r['k_hist']) if r['family'] == SPECBATCH else '–'} | {num((r['bytes_per_pass'] or 0) / 1e6, 0)} | "
             f"{num(r['ms_per_pass'])} | {num(r['floor_ms_per_pass'])} | {percent(r['floor_fraction'])} | "
             f"{num(r['peak_mem_mb'], 0)} (+{num(r['peak_delta_mb'], 0)}) | {_exact(r)} |")
+    if meta.get("skipped"):
+        lines += ["", f"Not run (the {meta['split']} split has too few prompts to fill them): {', '.join(meta['skipped'])}."]
     pipe = [r for r in results if r["section"] == "pipeline"]
     if meta.get("pipeline_error"):
         lines += ["", f"Pipeline row FAILED: {meta['pipeline_error']}"]

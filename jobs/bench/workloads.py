@@ -3,7 +3,9 @@
 Every prompt is encoded once, as a worker encodes a row (the chat template when the tokenizer has
 one), so every system decodes the very same token ids. A cell at batch size b runs the first
 `cfg.rows(b)` prompts of its workload: cells at larger batch sizes extend the smaller ones' rows, and
-the mix's rows are the categories' first prompts, so references are shared across cells.
+the mix's rows are the categories' first prompts, so references are shared across cells. A category
+with fewer prompts than a cell needs skips that cell (the mix, drawn from every category, can fill
+batches no single category can), and the report says which cells were skipped.
 """
 from __future__ import annotations
 
@@ -34,10 +36,6 @@ def build_workloads(cfg: BenchConfig, tokenizer: Any) -> dict[str, list[Prompt]]
     except SuiteError as exc:
         raise BenchError(f"suite: {exc}") from None
     need = max(cfg.rows(b) for b in cfg.batch_sizes)
-    short = {c: len(p) for c, p in suite.items() if len(p) < need}
-    if short:
-        raise BenchError(f"the suite's {cfg.split} split has too few prompts for the largest cell ({need} rows): "
-                         f"{short}; lower rows_by_batch or batch_sizes")
     chat = bool(getattr(tokenizer, "chat_template", None))
     workloads = {c: [_encode(tokenizer, p, chat) for p in prompts[:need]] for c, prompts in suite.items()}
     if cfg.mix:
@@ -53,6 +51,13 @@ def _encode(tokenizer: Any, prompt: SuitePrompt, chat: bool) -> Prompt:
     return Prompt(prompt, tuple(encode_prompt(tokenizer, prompt.prompt, prompt.messages, chat)))
 
 
-def cell_rows(prompts: list[Prompt], cfg: BenchConfig, batch_size: int) -> list[Prompt]:
-    """The rows a cell at this batch size runs."""
-    return prompts[: cfg.rows(batch_size)]
+def cell_rows(prompts: list[Prompt], cfg: BenchConfig, batch_size: int) -> list[Prompt] | None:
+    """The rows a cell at this batch size runs; None when the workload has too few prompts to fill it."""
+    rows = cfg.rows(batch_size)
+    return prompts[:rows] if len(prompts) >= rows else None
+
+
+def skipped_cells(cfg: BenchConfig, workloads: dict[str, list[Prompt]]) -> list[str]:
+    """The cells too few prompts leave out, as `workload b=N (M prompts)`."""
+    return [f"{w} b={b} ({len(prompts)} prompts)" for b in cfg.batch_sizes for w, prompts in workloads.items()
+            if cell_rows(prompts, cfg, b) is None]
