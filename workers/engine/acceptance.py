@@ -5,7 +5,9 @@ position j, given it was offered j and proposed j - 1: an n-gram may find no mat
 may end the draft) and the target ACCEPTS j (given j was proposed and j - 1 accepted). Estimates are
 decayed hits / tries over a prior worth `prior_tries` tries; a position's prior is the estimate of the
 position before it (a copied span rarely gets worse as it goes on), so positions not tried yet are
-judged by the last ones that were.
+judged by the last ones that were. Position 1 (whether the row drafts usefully at all) takes its prior
+lightly (`prior_tries`); later positions lean on the position before harder (`chain_tries`), since
+one miss deep in a copied span says little about the span.
 
 Each slot keeps its counts at several time scales at once (a fast decay follows a copy span that starts
 or ends within a few steps; a slow one is steady on a stationary row) and mixes them by how well each
@@ -21,20 +23,33 @@ REACH, ACCEPT = 0, 1
 
 class Estimates:
     def __init__(self, max_rows: int, max_k: int, decays: tuple[float, ...], prior_tries: tuple[float, ...],
-                 share: float = 0.05):
+                 chain_tries: float = 2.0, share: float = 0.05, idle_decay: float = 0.99):
         self.decays = np.array(decays).reshape(-1, 1, 1, 1)
-        self.prior_tries, self.share = np.array(prior_tries).reshape(-1, 1, 1), share
+        self.prior_tries, self.chain_tries = np.array(prior_tries).reshape(-1, 1, 1), chain_tries
+        self.share, self.idle_decay = share, idle_decay
         self.hits = np.zeros((len(decays), max_rows, 2, max_k))
         self.tries = np.zeros_like(self.hits)
         self.weight = np.full((max_rows, len(decays)), 1.0 / len(decays))
 
     def scales(self, n: int, prior: np.ndarray) -> np.ndarray:
-        """(scales, n, 2, max_k) estimates of the first n slots; `prior` (2,) is the prior at position 1."""
-        hits, tries, m = self.hits[:, :n], self.tries[:, :n], self.prior_tries
+        """(scales, n, 2, max_k) estimates of the first n slots; `prior` (2,) is the prior at position 1.
+
+        The slowest scale (the last) chains each position's prior from the position before. A faster
+        scale's prior is the slowest scale's estimate, shifted (in log-odds) by as much as the faster
+        scale differs from it at the position before: a row that has just started copying is trusted
+        further along the span at once, while a position that failed stays remembered as failed."""
+        hits, tries = self.hits[:, :n], self.tries[:, :n]
+        weights = [self.prior_tries] + [np.full_like(self.prior_tries, self.chain_tries)] * (hits.shape[-1] - 1)
         out = np.empty_like(hits)
-        before = np.broadcast_to(prior, hits.shape[:-1])
-        for j in range(hits.shape[-1]):
-            out[..., j] = before = (hits[..., j] + m * before) / (tries[..., j] + m)
+        before = np.broadcast_to(prior, hits.shape[1:-1])
+        for j, m in enumerate(weights):
+            out[-1, ..., j] = before = (hits[-1, ..., j] + m[-1] * before) / (tries[-1, ..., j] + m[-1])
+        shift = np.zeros_like(out[:-1, ..., 0])
+        for j, m in enumerate(weights):
+            slow = _logit(out[-1, ..., j])
+            prior_j = 1.0 / (1.0 + np.exp(-(slow + shift)))
+            out[:-1, ..., j] = (hits[:-1, ..., j] + m[:-1] * prior_j) / (tries[:-1, ..., j] + m[:-1])
+            shift = _logit(out[:-1, ..., j]) - slow
         return out
 
     def mixed(self, n: int, prior: np.ndarray) -> np.ndarray:
@@ -50,8 +65,9 @@ class Estimates:
         weight = self.weight[:n] * np.exp(loglik - loglik.max(axis=1, keepdims=True))
         weight /= weight.sum(axis=1, keepdims=True)
         self.weight[:n] = (1 - self.share) * weight + self.share / weight.shape[1]
-        self.hits[:, :n] = self.hits[:, :n] * self.decays + hits
-        self.tries[:, :n] = self.tries[:, :n] * self.decays + tries
+        decay = np.where(tries > 0, self.decays, self.idle_decay)  # a position not tried forgets slowly
+        self.hits[:, :n] = self.hits[:, :n] * decay + hits
+        self.tries[:, :n] = self.tries[:, :n] * decay + tries
 
     def reset(self, start: int, count: int) -> None:
         self.hits[:, start : start + count] = 0.0
@@ -61,6 +77,11 @@ class Estimates:
     def move(self, src: int, dst: int) -> None:
         self.hits[:, dst], self.tries[:, dst] = self.hits[:, src], self.tries[:, src]
         self.weight[dst] = self.weight[src]
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-3, 1 - 1e-3)
+    return np.log(p / (1 - p))
 
 
 def trials(offered: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, max_k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -113,14 +113,18 @@ class AdaptiveK(Controller):
     """Per-row offers with the most predicted tokens per second, held until another plan is predicted
     `margin` better (so noise does not flap them). A row's prior is the worker's estimates, a worker's
     prior is `prior`. Where no row has tried position 1 for `explore_every` steps (a draft model at k = 0
-    gets no free guesses), every row is offered one position, so speculation can come back."""
+    gets no free guesses), every row is offered one position, so speculation can come back; where such a
+    probe costs much more than a plain pass, less often, so that probes take at most `probe_share` of
+    the time."""
 
     def __init__(self, max_k: int, max_rows: int, costs: CostModel | None = None, prior: float = 0.6,
                  row_decays: tuple[float, ...] = (0.7, 0.98), row_prior_tries: tuple[float, ...] = (0.5, 2.0),
-                 worker_decay: float = 0.99, share: float = 0.03, margin: float = 0.02, explore_every: int = 16):
-        self.max_k, self.costs, self.prior, self.margin, self.explore_every = max_k, costs or CostModel(), prior, margin, explore_every
-        self.rows = Estimates(max_rows, max_k, row_decays, row_prior_tries, share)
-        self.worker = Estimates(1, max_k, (worker_decay,), (row_prior_tries[-1],))
+                 chain_tries: float = 4.0, worker_decay: float = 0.99, share: float = 0.01, margin: float = 0.02,
+                 explore_every: int = 16, probe_share: float = 0.02):
+        self.max_k, self.costs, self.prior, self.margin = max_k, costs or CostModel(), prior, margin
+        self.explore_every, self.probe_share = explore_every, probe_share
+        self.rows = Estimates(max_rows, max_k, row_decays, row_prior_tries, chain_tries, share)
+        self.worker = Estimates(1, max_k, (worker_decay,), (row_prior_tries[-1],), chain_tries)
         self.held = np.zeros(max_rows, dtype=int)
         self.unprobed = 0                         # steps since any row tried position 1
         self.confidence = np.array([1.0, 1.0])    # decayed (accepted drafts, summed draft confidence)
@@ -152,7 +156,7 @@ class AdaptiveK(Controller):
         if rate > held_rate * (1 + self.margin):
             self.held[:n_rows], held_rate = offers, rate
         chosen = self.held[:n_rows].copy()
-        if self.unprobed >= self.explore_every and not chosen.any():
+        if not chosen.any() and self.unprobed >= max(self.explore_every, column[0] / base / self.probe_share):
             chosen[:] = 1
         calibration = self.confidence[0] / self.confidence[1]
         self.stop = DraftStop(held_rate * column, calibration)
