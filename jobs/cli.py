@@ -22,7 +22,7 @@ def _terminate(signum, frame):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.job_state import OutputConflict
+    from pipeline.job_state import JobState, OutputConflict
     from pipeline.planner import plan_job
     from workers.shard_io import InputError
     from workers.storage import StorageError
@@ -30,7 +30,8 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     expected = (InputError, StorageError, FileNotFoundError, OutputConflict)
     try:
-        plan = plan_job(config)  # bad input or a missing model fails here, before Ray and torch load
+        plan = plan_job(config)  # bad input, a missing model or a taken output fails here, before Ray and torch load
+        JobState(config).check(args.overwrite)
     except expected as exc:
         return _error(exc)
     from pipeline.driver import JobFailed, ResourceError, run_job
