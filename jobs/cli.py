@@ -110,7 +110,8 @@ def _list(args: argparse.Namespace) -> int:
 def describe(summary: dict) -> str:
     """The closing lines of `specbatch run`: the whole job's figures, then this run's."""
     job, run = summary["job"], summary["this_run"]
-    lines = [f"nothing to do: all {job['shards']} shards were already committed"] if not run["shards_run"] else []
+    done_before = job["shards"] and not run["shards_run"]
+    lines = [f"nothing to do: all {job['shards']} shards were already committed"] if done_before else []
     lines.append(f"job: {job['rows']} rows ({job['failed_rows']} failed), {job['generated_tokens']} tokens, "
                  f"{job['tokens_per_s']:.1f} tokens/s while generating; {job['tokens_per_row_pass']:.2f} tokens per "
                  f"row per target pass (batch: {job['batch_tokens_per_pass']:.2f}), acceptance {job['acceptance_rate']:.2f}")
