@@ -118,7 +118,7 @@ def describe(summary: dict) -> str:
     if run["shards_run"]:
         lines.append(f"this run: {run['shards_run']} shards ({run['shards_resumed']} resumed), {run['generated_tokens']} "
                      f"tokens in {run['wall_s']:.1f}s ({run['tokens_per_s']:.1f} tokens/s end to end)")
-    lines.append(f"output: {summary['output']} (open report.html there for the job report)")
+    lines += [f"output: {summary['output']}", f"report: {summary['output'].rstrip('/')}/report.html"]
     return "\n".join(lines)
 
 
