@@ -139,6 +139,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _distill(args: argparse.Namespace) -> int:
+    from jobs.distill import run_distill
+
+    return run_distill(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specbatch", description="Offline batch generation with adaptive speculative decoding on Ray.")
     p.add_argument("--version", action="version", version=f"specbatch {installed_version('specbatch')}")
@@ -188,6 +194,23 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a few minutes on a laptop CPU")
     bench.add_argument("--out", default="bench-out", help="folder for results.parquet, results.md, plot.png")
     bench.set_defaults(func=_bench)
+    distill = sub.add_parser("distill", help="build an MTP draft head for a config's target from its own completions")
+    distill.add_argument("config", help="the job YAML whose target (and workload) the head is for")
+    distill.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    distill.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget for everything (default 20)")
+    distill.add_argument("--steps", type=int, default=None, help="stop training after this many steps")
+    distill.add_argument("--out", default=None, help="folder (local or s3://) for the head; default: model.draft")
+    distill.add_argument("--from", dest="source", default=None, metavar="OUTPUT_PATH",
+                         help="train on a previous job's output instead of generating completions here")
+    distill.add_argument("--layers", type=int, default=1, help="decoder blocks in the head (default 1)")
+    distill.add_argument("--draft-vocab", type=int, default=8192,
+                         help="draft over the V' most frequent completion tokens only (0: the full vocabulary)")
+    distill.add_argument("--depth", type=int, default=2, help="chained draft positions unrolled in training")
+    distill.add_argument("--heldout", type=float, default=0.1, help="fraction of prompts held out for scoring")
+    distill.add_argument("--data-share", type=float, default=0.5,
+                         help="without --from: the share of the budget spent generating completions")
+    distill.add_argument("--quiet", action="store_true", help="no progress bars")
+    distill.set_defaults(func=_distill)
     return p
 
 

@@ -68,7 +68,7 @@ def kind_of(url: str) -> Literal["parquet", "jsonl"] | None:
 def plan_job(config: JobConfig) -> Plan:
     """Everything checked before Ray and torch start: the models exist, the input lists and has its columns."""
     model = config.model
-    for path in filter(None, (model.target, model.draft if model.drafter == "model" else None)):
+    for path in filter(None, (model.target, model.draft if "model" in model.drafters else None)):
         check_model_path(path, config.input.storage_options)
     return plan_shards(config)
 

@@ -62,6 +62,12 @@ def test_one_message_names_every_bad_key():
     ("section", "values", "bad_key"),
     [
         ("model", {"target": "m", "drafter": "model"}, "model.draft"),
+        ("model", {"target": "m", "drafter": ["suffix", "model"]}, "model.draft"),
+        ("model", {"target": "m", "drafter": "suffx"}, "model.drafter"),
+        ("model", {"target": "m", "drafter": []}, "model.drafter"),
+        ("model", {"target": "m", "drafter": ["suffix", "suffix"]}, "model.drafter"),
+        ("model", {"target": "m", "drafter": ["none", "ngram"]}, "model.drafter"),
+        ("speculation", {"suffix_max_tokens": -1}, "speculation.suffix_max_tokens"),
         ("speculation", {"max_k": 65}, "speculation.max_k"),
         ("speculation", {"k": -1}, "speculation.k"),
         ("speculation", {"k": "fast"}, "speculation.k"),
@@ -76,6 +82,14 @@ def test_one_message_names_every_bad_key():
 )
 def test_impossible_values_are_named(section, values, bad_key):
     assert f"  {bad_key}: " in errors_of({**MINIMAL, section: values})
+
+
+def test_drafter_is_a_name_or_a_list_to_compose():
+    one = JobConfig.model_validate({**MINIMAL, "model": {"target": "m", "drafter": "suffix"}})
+    assert one.model.drafters == ["suffix"]
+    composed = JobConfig.model_validate({**MINIMAL, "model": {"target": "m", "draft": "d", "drafter": ["suffix", "model"]}})
+    assert composed.model.drafters == ["suffix", "model"]
+    assert JobConfig.model_validate(composed.model_dump()) == composed
 
 
 def test_prompt_source_follows_messages_or_template():

@@ -44,6 +44,19 @@ def _either(word: str, kind: type[int] | tuple[type, ...], minimum: float, label
     return PlainValidator(check)
 
 
+DRAFTER_NAMES = ("model", "mtp", "ngram", "none", "suffix")  # the registry's names (workers/registry.py)
+
+
+def _drafter_names(value: Any) -> str | list[str]:
+    """A drafter name, or a list of them to compose (the first with a proposal drafts each row)."""
+    names = value if isinstance(value, list) else [value]
+    if not names or any(not isinstance(n, str) or n not in DRAFTER_NAMES for n in names):
+        raise ValueError(f"must be one of {', '.join(DRAFTER_NAMES)}, or a non-empty list of them")
+    if isinstance(value, list) and (len(set(names)) != len(names) or "none" in names):
+        raise ValueError("a list names each drafter once and leaves out 'none'")
+    return value
+
+
 def _key_error(key: str, reason: str) -> PydanticCustomError:
     """A cross-field error that validation_message reports under section.key, not the section."""
     return PydanticCustomError("bad_key", "{reason}", {"key": key, "reason": reason})
@@ -126,16 +139,30 @@ class OutputConfig(_Section):
 class ModelConfig(_Section):
     target: str = Field(description="local folder, `s3://` folder, `.gguf` file, or `demo:smollm2`")
     draft: str | None = Field(None, description="draft model sharing the target's tokenizer")
-    drafter: Literal["model", "ngram", "none"] = Field("ngram", description="`ngram` (prompt lookup), `model`, or `none`")
+    drafter: Annotated[str | list[str], PlainValidator(_drafter_names)] = Field("ngram", description=(
+        "`none`, `ngram` (prompt lookup in the row), `suffix` (an index over everything this worker has read and "
+        "written in the job), `model` (a small draft model at model.draft), `mtp` (an MTP head made by `specbatch distill`, at model.draft), or a list such as `[suffix, ngram]`: "
+        "per row, the first drafter in the list with a confident proposal drafts"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="`auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`")
     trust_remote_code: bool = Field(False, description="passed to transformers")
+    compile: bool = Field(False, description=(
+        "torch.compile the decoder layers (Llama-family models): fuses the elementwise work between matmuls; "
+        "the first passes compile (0.5-2 minutes on a small CPU). Off by default: on the CPU it was measured "
+        "on (SmolLM2-135M fp32, batch 1 and 8, widths 1 and 9) compiled passes were 0-20% slower than eager."))
 
     @model_validator(mode="after")
     def _draft_present(self) -> ModelConfig:
-        if self.drafter == "model" and not self.draft:
-            raise _key_error("draft", "required when drafter is 'model'")
+        needs = [name for name in ("model", "mtp") if name in self.drafters]
+        if len(needs) > 1:
+            raise _key_error("drafter", "model.draft holds one set of weights: name `model` or `mtp`, not both")
+        if needs and not self.draft:
+            raise _key_error("draft", f"required when drafter is '{needs[0]}'")
         return self
+
+    @property
+    def drafters(self) -> list[str]:
+        return self.drafter if isinstance(self.drafter, list) else [self.drafter]
 
 
 class GenerationConfig(_Section):
@@ -159,6 +186,9 @@ class SpeculationConfig(_Section):
         "adaptive", description="`adaptive` or a fixed int (`0` = no speculation)")
     max_k: int = Field(8, ge=0, le=64, description="largest draft length")
     ngram_size: int = Field(3, ge=1, le=64, description="longest n-gram the prompt-lookup drafter matches")
+    suffix_max_tokens: int = Field(32768, ge=0, description=(
+        "tokens the suffix drafter keeps indexed per worker (prompts and completions, oldest finished rows "
+        "evicted first); about 2 KiB of memory per token"))
 
     @model_validator(mode="after")
     def _k_within_max(self) -> SpeculationConfig:

@@ -97,7 +97,7 @@ class ShardRunner:
                             "finish_reason": done.finish_reason, "error": done.error, "seed": seed,
                             "prompt_tokens": done.prompt_tokens, "target_passes": done.target_passes,
                             "drafted_tokens": done.drafted_tokens, "accepted_tokens": done.accepted_tokens,
-                            "drafter": None if done.error else self.config.model.drafter,
+                            "drafter": None if done.error else self.generator.drafter.name,
                             "logprobs": done.logprobs,
                             "top_logprobs": None if done.top_logprobs is None else
                             [[{"token_id": t, "logprob": lp} for t, lp in position] for position in done.top_logprobs],

@@ -1,0 +1,71 @@
+"""`specbatch bench`: load once, run the cells (and the pipeline row), write and print the results."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from jobs.bench.baselines import greedy_references
+from jobs.bench.cells import run_cells
+from jobs.bench.config import BenchConfig, BenchError, load_bench_config, resolve_device
+from jobs.bench.models import load_bench_models
+from jobs.bench.pipeline import run_pipeline
+from jobs.bench.report import load_average, machine_info, write_outputs
+from jobs.bench.roofline import Floor
+from jobs.bench.workloads import build_workloads, skipped_cells
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def benchmark(cfg: BenchConfig, out: Path, command: str = "specbatch bench", quick: bool = False,
+              log: Callable[[str], None] = _log) -> list[dict]:
+    """Run everything the config asks for and write the outputs; returns the result rows."""
+    started = time.perf_counter()
+    device = resolve_device(cfg.device)
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    log(f"loading {cfg.model.target} ({cfg.model.dtype}) on {device}")
+    models = load_bench_models(cfg, device)
+    workloads = build_workloads(cfg, models.tokenizer)
+    floor = Floor.measure(models.hf_target, device)
+    log(f"{len(workloads)} workloads from the suite's {cfg.split} split; bandwidth {floor.bandwidth / 1e9:.1f} GB/s")
+    meta = {**machine_info(cfg, device, command, quick, floor), "skipped": skipped_cells(cfg, workloads)}
+    for cell in meta["skipped"]:
+        log(f"skipped {cell}: the {cfg.split} split has too few prompts to fill it")
+    with torch.inference_mode():
+        checked = [p for prompts in workloads.values() for p in prompts[: cfg.reference_rows]]
+        references = greedy_references(models, checked, cfg.max_new_tokens, log)
+        results = run_cells(cfg, models, workloads, references, floor, log)
+    if cfg.pipeline.enabled:
+        write_outputs(results, meta, cfg, time.perf_counter() - started, out)  # the cells survive a failing job
+        try:
+            results += run_pipeline(cfg, models, workloads, references, log)
+        except Exception as exc:  # noqa: BLE001 - report it with the cells rather than lose a long run
+            meta["pipeline_error"] = f"{type(exc).__name__}: {exc}"
+            log(f"pipeline row failed: {meta['pipeline_error']}")
+    took = time.perf_counter() - started
+    meta["load_at_end"] = load_average()
+    text = write_outputs(results, meta, cfg, took, out)
+    print(text)
+    log(f"bench took {took:.0f} s ({took / 60:.1f} min); wrote {out}/results.parquet, results.md, plot.png")
+    return results
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`specbatch bench [--config FILE] [--quick] [--split tune|report] [--out DIR]`."""
+    split = getattr(args, "split", None)
+    command = (f"specbatch bench --config {args.config}" + (" --quick" if args.quick else "")
+               + (f" --split {split}" if split else "") + f" --out {args.out}")
+    try:
+        cfg: BenchConfig = load_bench_config(args.config, args.quick, split)
+        results = benchmark(cfg, Path(args.out), command, args.quick)
+    except BenchError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    return 1 if cfg.pipeline.enabled and not any(r["section"] == "pipeline" for r in results) else 0
