@@ -22,7 +22,7 @@ def _terminate(signum, frame):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.job_state import OutputConflict
+    from pipeline.job_state import JobState, OutputConflict
     from pipeline.planner import plan_job
     from workers.shard_io import InputError
     from workers.storage import StorageError
@@ -30,7 +30,8 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     expected = (InputError, StorageError, FileNotFoundError, OutputConflict)
     try:
-        plan = plan_job(config)  # bad input or a missing model fails here, before Ray and torch load
+        plan = plan_job(config)  # bad input, a missing model or a taken output fails here, before Ray and torch load
+        JobState(config).check(args.overwrite)
     except expected as exc:
         return _error(exc)
     from pipeline.driver import JobFailed, ResourceError, run_job
@@ -109,14 +110,15 @@ def _list(args: argparse.Namespace) -> int:
 def describe(summary: dict) -> str:
     """The closing lines of `specbatch run`: the whole job's figures, then this run's."""
     job, run = summary["job"], summary["this_run"]
-    lines = [f"nothing to do: all {job['shards']} shards were already committed"] if not run["shards_run"] else []
+    done_before = job["shards"] and not run["shards_run"]
+    lines = [f"nothing to do: all {job['shards']} shards were already committed"] if done_before else []
     lines.append(f"job: {job['rows']} rows ({job['failed_rows']} failed), {job['generated_tokens']} tokens, "
                  f"{job['tokens_per_s']:.1f} tokens/s while generating; {job['tokens_per_row_pass']:.2f} tokens per "
                  f"row per target pass (batch: {job['batch_tokens_per_pass']:.2f}), acceptance {job['acceptance_rate']:.2f}")
     if run["shards_run"]:
         lines.append(f"this run: {run['shards_run']} shards ({run['shards_resumed']} resumed), {run['generated_tokens']} "
                      f"tokens in {run['wall_s']:.1f}s ({run['tokens_per_s']:.1f} tokens/s end to end)")
-    lines.append(f"output: {summary['output']} (open report.html there for the job report)")
+    lines += [f"output: {summary['output']}", f"report: {summary['output'].rstrip('/')}/report.html"]
     return "\n".join(lines)
 
 

@@ -59,12 +59,9 @@ class JobState:
         self.started = time.time()
         self.last_beat = 0.0
 
-    def claim(self, overwrite: bool, planned_shards: int) -> bool:
-        """Take the output path for this run; returns whether a previous run's shards may be resumed.
-
-        Refuses a path that a live job holds (fresh lease) or that holds another config's output,
-        unless `overwrite`, which clears the old output first.
-        """
+    def check(self, overwrite: bool) -> dict | None:
+        """The output's manifest (None for a fresh path), after refusing a path that a live job holds
+        (fresh lease) or that holds another config's output (unless `overwrite`)."""
         lease = self.store.read_json(LEASE)
         if lease and lease_alive(lease):
             raise OutputConflict(f"{self.store.root} is being written by a live job (run {lease['run_id']} on "
@@ -75,6 +72,12 @@ class JobState:
                 changed = changed_keys(manifest["config"], redacted(self.config))
                 raise OutputConflict(f"{self.store.root} holds the output of a different config (changed: "
                                      f"{', '.join(changed) or 'unknown'}); use another output path or --overwrite")
+        return manifest
+
+    def claim(self, overwrite: bool, planned_shards: int) -> bool:
+        """Take the output path for this run (see check; `overwrite` clears another config's output first);
+        returns whether a previous run's shards may be resumed."""
+        manifest = self.check(overwrite)
         if overwrite and manifest:
             for part in OUTPUTS:
                 self.store.delete(part)

@@ -6,6 +6,7 @@ import collections
 import pyarrow.parquet as pq
 
 from workers.config import JobConfig
+from workers.schemas import ShardStats
 from workers.storage import filesystem, list_files, read_bytes
 
 
@@ -46,3 +47,13 @@ def prompts(n: int, prefix: str = "p") -> list[dict]:
     return [{"id": f"{prefix}{i}", "prompt": f"{words[i % 4]} {i}", "task": words[i % 4][:3]} for i in range(n)]
 
 
+def shard(i: int, worker: str, run_id: str, failed: int = 0, attempt: int = 1) -> ShardStats:
+    """A plausible committed shard's record: 4 rows, 3 draft positions, k up to 3, i-dependent timing and tokens."""
+    start = 1_700_000_000.0 + 3 * i
+    return ShardStats(shard_id=f"shard-{i:05d}", worker_id=worker, node="node-a", device="cpu", run_id=run_id,
+                      attempt=attempt, started_at=start, finished_at=start + 2.5 + i % 3, peak_mem_bytes=2**30,
+                      rows=4, stop_rows=2, length_rows=2 - failed, failed_rows=failed, prompt_tokens=40,
+                      generated_tokens=60 + 7 * i, target_passes=20, row_passes=70, draft_passes=0,
+                      drafted_tokens=90, accepted_tokens=30 + i, wall_s=2.5 + i % 3, prefill_s=0.1, draft_s=0.2,
+                      verify_s=2.0, attempted_by_position=[60, 30, 12], accepted_by_position=[30, 12, 5],
+                      k_hist=[2, 3, 15, 0])

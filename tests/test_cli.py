@@ -66,6 +66,11 @@ def test_bad_configs_and_inputs_are_refused_before_torch_and_ray_load(tmp_path, 
     assert code == 1 and "missing.jsonl: no input files there" in err
     code, err = refused_before_heavy_imports("run", config, "--set", f"model.target={tmp_path / 'gone'}")
     assert code == 1 and "error: model path" in err and "gone" in err
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "_job.json").write_text(json.dumps({"fingerprint": "another job", "config": {}}))
+    code, err = refused_before_heavy_imports("run", config, "--set", f"input.path={tmp_path / 'in.jsonl'}")
+    assert code == 1 and "holds the output of a different config" in err
 
 
 def test_version(capsys):

@@ -13,6 +13,7 @@ import torch
 from jobs.cli import describe, main
 from pipeline.driver import JobFailed, run_job
 from pipeline.job_state import OutputConflict
+from pipeline.planner import plan_shards
 from tests.pipeline_helpers import (
     assert_exactly_once,
     make_config,
@@ -20,7 +21,7 @@ from tests.pipeline_helpers import (
     read_output,
 )
 from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
-from workers.shard_io import InputError
+from workers.shard_io import InputError, read_shard
 from workers.storage import filesystem, read_bytes
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("local_ray")]
@@ -133,6 +134,9 @@ def test_bad_rows_become_error_rows_listed_in_errors_parquet_with_exit_code_3(mo
     errors = pq.read_table(tmp_path / "out" / "errors.parquet").to_pylist()
     assert sorted(e["id"] for e in errors) == sorted(k for k, r in rows.items() if r["error"])
     assert all(e["error"] == rows[e["id"]]["error"] and e["sample_index"] == 0 for e in errors)
+    retry = make_config(model_dir, str(tmp_path / "out" / "errors.parquet"), str(tmp_path / "retry"))
+    again = [r for spec in plan_shards(retry).shards for r in read_shard(spec, retry.input)]
+    assert sorted(r.id for r in again) == sorted(e["id"] for e in errors)  # a retry job's input as it stands
     assert main(["run", config_file, "--quiet", "--set", "output.max_failed_rows=4"]) == 0
     assert "nothing to do: all 1 shards were already committed" in capsys.readouterr().out
 

@@ -15,23 +15,12 @@ from jobs.cli import main
 from pipeline.job_state import JobState
 from pipeline.report import build_report
 from pipeline.summary import RunInfo, summarize, write_closing_files
-from tests.pipeline_helpers import make_config
+from tests.pipeline_helpers import make_config, shard
 from workers.schemas import ShardStats, output_schema
 from workers.storage import Store
 
 CHROMIUM = shutil.which("chromium")
 CHARTS = 4  # throughput over time, tokens/s per shard, acceptance by position, k histogram
-
-
-def shard(i: int, worker: str, run_id: str, failed: int = 0, attempt: int = 1) -> ShardStats:
-    start = 1_700_000_000.0 + 3 * i
-    return ShardStats(shard_id=f"shard-{i:05d}", worker_id=worker, node="node-a", device="cpu", run_id=run_id,
-                      attempt=attempt, started_at=start, finished_at=start + 2.5 + i % 3, peak_mem_bytes=2**30,
-                      rows=4, stop_rows=2, length_rows=2 - failed, failed_rows=failed, prompt_tokens=40,
-                      generated_tokens=60 + 7 * i, target_passes=20, row_passes=70, draft_passes=0,
-                      drafted_tokens=90, accepted_tokens=30 + i, wall_s=2.5 + i % 3, prefill_s=0.1, draft_s=0.2,
-                      verify_s=2.0, attempted_by_position=[60, 30, 12], accepted_by_position=[30, 12, 5],
-                      k_hist=[2, 3, 15, 0])
 
 
 def write_shard(store: Store, stats: ShardStats) -> None:
