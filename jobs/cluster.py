@@ -1,8 +1,9 @@
 """Jobs on a Ray cluster through Ray's Jobs API: submit a config, then status, logs, stop and list.
 
 `submit` validates the config here, then hands the cluster's job scheduler an entrypoint,
-`python -m jobs.cli run CONFIG --address auto [--set k=v ...]`, with a runtime environment that
-carries the code and the config:
+`python -m jobs.envcheck && python -m jobs.cli run CONFIG --address auto [--set k=v ...]` (the check
+names any missing package and how to install it), with a runtime environment that carries the code
+and the config:
 
 - py_modules: the `pipeline`, `workers` and `jobs` package folders (only those: never the
   virtualenv, outputs or caches, whether specbatch runs from a checkout or an installed wheel);
@@ -35,9 +36,10 @@ from typing import Any, TextIO
 
 import yaml
 
-from pipeline.job_config import ConfigError, load_config
-from workers.config import is_secret_key
-from workers.storage import safe_url
+from pipeline.config_file import ConfigError, load_config
+from workers.config import is_secret, redact
+from workers.model_paths import DEMO_MODEL
+from workers.storage import is_remote, safe_url
 
 PACKAGES = ("pipeline", "workers", "jobs")
 EXCLUDES = ["__pycache__", "*.pyc", ".venv", "venv", ".git", "out", "bench-out", ".cache", ".pytest_cache",
@@ -83,27 +85,18 @@ def submission_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def _has_secret(key: str, value: Any) -> bool:
-    """Whether a value under `key` holds a secret (numbers under key-ish names, like max_new_tokens, do not)."""
-    if isinstance(value, dict):
-        return any(_has_secret(str(k), v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_secret(key, v) for v in value)
-    return is_secret_key(key) and value is not None and not isinstance(value, (bool, int, float))
-
-
 def check_overrides(overrides: list[str]) -> None:
+    """Refuse --set values that redaction would hide: the job's command line is shown in plain text."""
     for override in overrides:
         key, _, text = override.partition("=")
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             continue  # load_config reports it
-        if _has_secret(key.rsplit(".", 1)[-1], value) or any(is_secret_key(p) for p in key.split(".")[:-1]):
+        nested = value
+        for part in reversed(key.strip().split(".")):
+            nested = {part: nested}
+        if redact(nested) != nested:
             raise ClusterError(f"--set {key}: refusing to put a secret on the job's command line (shown by "
                                "`ray job list` and the dashboard); put it in the config's storage_options "
                                "or give the cluster its own credentials")
@@ -116,7 +109,7 @@ def job_env(extra: list[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ClusterError(f"--env {item!r}: expected KEY=VALUE")
-        if is_secret_key(key):
+        if is_secret(key, value):
             raise ClusterError(f"--env {key}: refusing to put a secret in the job's runtime environment (shown "
                                "by `ray job list` and the dashboard); give the cluster its own credentials")
         env[key] = value
@@ -133,14 +126,10 @@ class Submission:
 
 
 def _warnings(config) -> list[str]:
-    notes = []
-    for label, path in (("input.path", config.input.path), ("output.path", config.output.path)):
-        if not _is_url(path):
-            relative = not os.path.isabs(path.removeprefix("file://"))
-            where = "inside the job's temporary working folder" if relative else "on each node"
-            notes.append(f"{label} {safe_url(path)} is a local path: on the cluster it resolves {where}; "
-                         "use object storage (s3://, gs://) or a filesystem every node mounts")
-    return notes
+    return [f"{label} {safe_url(path)} is a local path, read and written on the cluster's nodes; use object "
+            "storage (s3://, gs://) or a filesystem every node mounts"
+            for label, path in (("input.path", config.input.path), ("output.path", config.output.path))
+            if not is_remote(path)]
 
 
 @contextmanager
@@ -151,7 +140,7 @@ def prepared(config_path: str, overrides: list[str], overwrite: bool = False,
     The temporary folder holding the config copy lives for the `with` block (Ray uploads it at submit).
     """
     check_overrides(overrides)
-    remote = _is_url(config_path)
+    remote = is_remote(config_path)
     warnings: list[str] = []
     try:
         config = load_config(config_path, overrides)
@@ -177,6 +166,7 @@ def prepared(config_path: str, overrides: list[str], overwrite: bool = False,
             target = local.name
             shutil.copyfile(local, staging / target)
             runtime_env["working_dir"] = str(staging)
+        check = ["python", "-m", "jobs.envcheck"] + (["--demo"] if config and config.model.target == DEMO_MODEL else [])
         args = ["python", "-m", "jobs.cli", "run", target, "--address", "auto"]
         for override in overrides:
             args += ["--set", override]
@@ -185,7 +175,8 @@ def prepared(config_path: str, overrides: list[str], overwrite: bool = False,
         metadata = {"specbatch": "1", "config": name}
         if config:
             metadata["output"] = safe_url(config.output.path)
-        yield Submission(submission_id(name), shlex.join(args), runtime_env, metadata, warnings)
+        entrypoint = f"{shlex.join(check)} && {shlex.join(args)}"  # missing packages: one clear message first
+        yield Submission(submission_id(name), entrypoint, runtime_env, metadata, warnings)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -15,17 +15,21 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from tqdm import tqdm
 
-from pipeline.job_state import JobState
-from pipeline.planner import plan_shards
-from pipeline.report import summarize, write_report
+from pipeline.job_state import HEARTBEAT_S, JobState
+from pipeline.planner import Plan, plan_job
+from pipeline.report import write_report
+from pipeline.summary import RunInfo, summarize, write_closing_files
 from workers.actor import GenerationWorker
 from workers.config import JobConfig
-from workers.models import check_model_path
+from workers.mtp_head import read_spec
+from workers.schemas import ShardStats
 from workers.shard_io import ShardSpec
 from workers.storage import safe_url
 
 log = logging.getLogger(__name__)
 _WORKER_DEATHS = (RayActorError, ActorDiedError, ActorUnavailableError)
+# Workers' environment unless --verbose: no progress bars (model conversion, "Loading weights", ...).
+QUIET_WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 class ResourceError(RuntimeError):
@@ -44,15 +48,21 @@ class WorkerShape:
     memory: int | None
 
 
-def connect(address: str | None) -> None:
-    """Attach to a cluster, or start a local one bound to 127.0.0.1 (Ray's ports carry no auth)."""
+def connect(address: str | None, verbose: bool = False) -> None:
+    """Attach to the cluster at `address`, or start a private local one.
+
+    Without an address Ray would attach to whatever /tmp/ray/ray_current_cluster names (a live or
+    long-dead `ray start`), so a local run always asks for a new instance; attaching is --address's job.
+    """
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_level=logging.INFO if verbose else logging.WARNING)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster for this process: no token to set up
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+             logging_level=logging.INFO if verbose else logging.WARNING)
 
 
 def worker_shape(config: JobConfig, cluster: dict[str, float]) -> WorkerShape:
@@ -74,10 +84,12 @@ def worker_shape(config: JobConfig, cluster: dict[str, float]) -> WorkerShape:
 class WorkerPool:
     """Actors by id; a dead one is replaced by a fresh actor with a new id."""
 
-    def __init__(self, config: JobConfig, shape: WorkerShape):
+    def __init__(self, config: JobConfig, shape: WorkerShape, verbose: bool = False):
         self.config, self.shape, self.created = config, shape, 0
         options = {"num_cpus": shape.cpus, "num_gpus": shape.gpus, "scheduling_strategy": "SPREAD",
                    "max_restarts": 0, "max_task_retries": 0}
+        if not verbose:  # Ray forwards every redraw of a worker's progress bar as a new line
+            options["runtime_env"] = {"env_vars": QUIET_WORKER_ENV}
         if shape.memory:
             options["memory"] = shape.memory
         self.actor_class = ray.remote(GenerationWorker).options(**options)
@@ -102,32 +114,40 @@ class WorkerPool:
         self.actors.clear()
 
 
-def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True) -> dict:
-    """Run (or resume) a job to completion and return its summary."""
-    started = time.time()
-    for path in filter(None, (config.model.target, config.model.draft if config.model.drafter == "model" else None)):
-        check_model_path(path, config.input.storage_options)
+def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True,
+            plan: Plan | None = None, verbose: bool = False) -> dict:
+    """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if not given."""
+    plan = plan or plan_job(config)
+    if "mtp" in config.model.drafters:
+        read_spec(config.model.draft, config.input.storage_options)  # no head there: fail before any worker starts
     state = JobState(config)
-    plan = plan_shards(config)
-    resumed = state.claim(overwrite)
+    resumed = state.claim(overwrite, len(plan.shards))
     try:
-        done = state.committed() if resumed else {}
+        planned = {spec.shard_id for spec in plan.shards}
+        done = {k: s for k, s in state.committed().items() if k in planned} if resumed else {}
         todo = deque((spec, 1) for spec in plan.shards if spec.shard_id not in done)
-        stats = [{**s, "skipped": True} for s in done.values() if s["shard_id"] in {p.shard_id for p in plan.shards}]
+        stats = list(done.values())
         if todo:
-            connect(address)
-            stats += _dispatch(config, state, todo, len(plan.shards), len(stats), progress)
-        summary = summarize(stats, time.time() - started, len(done), safe_url(config.output.path))
+            connect(address, verbose)
+            try:
+                stats += _dispatch(config, state, todo, len(plan.shards), len(stats), progress, verbose)
+            except JobFailed:
+                write_report(state.store)  # what did commit, and every failed attempt
+                raise
+        run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done))
+        summary = summarize(stats, run, safe_url(config.output.path))
         summary["skipped_files"] = [f._asdict() for f in plan.skipped_files]
-        write_report(state, stats, summary)
+        write_closing_files(state.store, stats, summary)
+        write_report(state.store, stats)
         return summary
     finally:
         state.release()
 
 
-def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipped: int, progress: bool) -> list[dict]:
+def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipped: int,
+              progress: bool, verbose: bool) -> list[ShardStats]:
     """Keep every actor busy with one shard at a time until the queue is empty."""
-    pool = WorkerPool(config, worker_shape(config, ray.cluster_resources()))
+    pool = WorkerPool(config, worker_shape(config, ray.cluster_resources()), verbose)
     try:  # a worker that cannot load its models fails the job now, with the worker's own error
         devices = ray.get([actor.device.remote() for actor in pool.actors.values()])
     except _WORKER_DEATHS as exc:
@@ -137,36 +157,34 @@ def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipp
     running: dict[ray.ObjectRef, tuple[str, ShardSpec, int]] = {}
     idle, results, failures = deque(pool.actors), [], []
     bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=config.name)
-    generated, t0, last_beat = 0, time.time(), time.time()
+    generated, t0 = 0, time.time()
     try:
         while todo or running:
             while todo and idle:
                 worker_id = idle.popleft()
                 spec, attempt = todo.popleft()
-                running[pool.actors[worker_id].run_shard.remote(spec, attempt)] = (worker_id, spec, attempt)
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=10.0)
-            if time.time() - last_beat > 30:
-                state.heartbeat()
-                last_beat = time.time()
+                running[pool.actors[worker_id].run_shard.remote(spec, attempt, state.run_id)] = (worker_id, spec, attempt)
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=HEARTBEAT_S / 3)
+            state.heartbeat_if_due()
             for ref in ready:
                 worker_id, spec, attempt = running.pop(ref)
                 try:
-                    result = ray.get(ref)
+                    result: ShardStats = ray.get(ref)
                 except _WORKER_DEATHS as exc:
                     log.warning("%s died running %s (attempt %d): %s", worker_id, spec.shard_id, attempt, exc)
                     idle.append(pool.replace(worker_id))
-                    _retry(config, todo, failures, spec, attempt, f"worker died: {exc}")
+                    _retry(config, state, todo, failures, spec, attempt, worker_id, f"worker died: {exc}")
                     continue
                 except Exception as exc:  # the shard itself failed (storage down, bad file): retry elsewhere
                     log.warning("%s failed on %s (attempt %d): %s", spec.shard_id, worker_id, attempt, exc)
                     idle.append(worker_id)
-                    _retry(config, todo, failures, spec, attempt, str(exc))
+                    _retry(config, state, todo, failures, spec, attempt, worker_id, str(exc))
                     continue
                 idle.append(worker_id)
                 results.append(result)
-                generated += result["generated_tokens"]
+                generated += result.generated_tokens
                 bar.update(1)
-                bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.1f}", rows=sum(r["rows"] for r in results))
+                bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.1f}", rows=sum(r.rows for r in results))
     finally:
         bar.close()
         pool.shutdown()
@@ -175,7 +193,9 @@ def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipp
     return results
 
 
-def _retry(config: JobConfig, todo: deque, failures: list[str], spec: ShardSpec, attempt: int, reason: str) -> None:
+def _retry(config: JobConfig, state: JobState, todo: deque, failures: list[str], spec: ShardSpec, attempt: int,
+           worker_id: str, reason: str) -> None:
+    state.record_retry(spec.shard_id, attempt, worker_id, reason)
     if attempt < config.retries.max_attempts:
         todo.append((spec, attempt + 1))
     else:

@@ -6,6 +6,7 @@ rewrites the same key.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -13,84 +14,78 @@ import sys
 import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-from pipeline.job_config import changed_keys, fingerprint
 from workers.config import JobConfig, redacted
-from workers.storage import (
-    exists,
-    join,
-    list_files,
-    on_storage,
-    read_bytes,
-    write_bytes_atomic,
-)
+from workers.schemas import ShardStats
+from workers.storage import Store, read_bytes
 
+LEASE, MANIFEST = "_LEASE.json", "_job.json"
+# What a run writes besides the lease; --overwrite removes it all.
+OUTPUTS = ("data", "stats", "summary.json", "errors.parquet", "report.html", "_SUCCESS", MANIFEST)
+# A live driver rewrites its lease every HEARTBEAT_S; a lease older than LEASE_TTL_S belongs to a dead one.
+HEARTBEAT_S = 30.0
 LEASE_TTL_S = 120.0
+# Sections and keys that change how a job runs but not what it writes: resume ignores them.
+_RUN_ONLY_SECTIONS = ("resources", "retries")
+_RUN_ONLY_KEYS = ("storage_options", "max_failed_rows")
 
 
 class OutputConflict(RuntimeError):
     """The output path belongs to another job (or a different config of this one)."""
 
 
-def versions() -> dict[str, str]:
-    """Library versions for _job.json; specbatch itself may run uninstalled (code shipped by `submit`)."""
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
+def installed_version(name: str) -> str:
+    """A distribution's version; specbatch itself may run uninstalled (code shipped by `submit`)."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
+
+def versions() -> dict[str, str]:
+    """Library versions for _job.json."""
     names = ("torch", "transformers", "ray", "pyarrow", "fsspec", "specbatch")
-    return {"python": sys.version.split()[0], **{n: installed(n) for n in names}}
+    return {"python": sys.version.split()[0], **{n: installed_version(n) for n in names}}
 
 
 class JobState:
+    """One run's view of its output folder: claims it, keeps the lease fresh, lists what is committed."""
+
     def __init__(self, config: JobConfig):
         self.config = config
-        self.root, self.options = config.output.path, config.output.storage_options
+        self.store = Store(config.output.path, config.output.storage_options)
         self.run_id = uuid.uuid4().hex[:12]
+        self.started = time.time()
+        self.last_beat = 0.0
 
-    def url(self, *parts: str) -> str:
-        return join(self.root, *parts)
-
-    def read_json(self, *parts: str) -> dict | None:
-        url = self.url(*parts)
-        return json.loads(read_bytes(url, self.options)) if exists(url, self.options) else None
-
-    def write_json(self, data: dict, *parts: str) -> None:
-        write_bytes_atomic(self.url(*parts), json.dumps(data, indent=2, default=str).encode(), self.options)
-
-    def claim(self, overwrite: bool) -> bool:
+    def claim(self, overwrite: bool, planned_shards: int) -> bool:
         """Take the output path for this run; returns whether a previous run's shards may be resumed.
 
         Refuses a path that a live job holds (fresh lease) or that holds another config's output,
         unless `overwrite`, which clears the old output first.
         """
-        lease = self.read_json("_LEASE.json")
-        if lease and _alive(lease):
-            raise OutputConflict(f"{self.root} is being written by a live job (run {lease['run_id']} on "
+        lease = self.store.read_json(LEASE)
+        if lease and lease_alive(lease):
+            raise OutputConflict(f"{self.store.root} is being written by a live job (run {lease['run_id']} on "
                                  f"{lease['host']}, last seen {time.time() - lease['heartbeat']:.0f}s ago)")
-        manifest = self.read_json("_job.json")
+        manifest = self.store.read_json(MANIFEST)
         if manifest and manifest["fingerprint"] != fingerprint(self.config):
             if not overwrite:
                 changed = changed_keys(manifest["config"], redacted(self.config))
-                raise OutputConflict(f"{self.root} holds the output of a different config (changed: "
+                raise OutputConflict(f"{self.store.root} holds the output of a different config (changed: "
                                      f"{', '.join(changed) or 'unknown'}); use another output path or --overwrite")
         if overwrite and manifest:
-            self.clear()
+            for part in OUTPUTS:
+                self.store.delete(part)
             manifest = None
         self.remove_partials()
         self.heartbeat()
-        self.write_json({"name": self.config.name, "fingerprint": fingerprint(self.config),
-                         "config": redacted(self.config), "versions": versions(),
-                         "started": (manifest or {}).get("started", time.time()), "run_id": self.run_id}, "_job.json")
+        self.store.write_json({"name": self.config.name, "fingerprint": fingerprint(self.config),
+                               "config": redacted(self.config), "versions": versions(),
+                               "started": (manifest or {}).get("started", self.started), "run_id": self.run_id,
+                               "run_started": self.started, "shards_planned": planned_shards}, MANIFEST)
         return manifest is not None
-
-    def clear(self) -> None:
-        for part in ("data", "stats", "summary.json", "_SUCCESS", "_job.json"):
-            url = self.url(part)
-            if exists(url, self.options):
-                on_storage(url, self.options, lambda fs, path: fs.rm(path, recursive=True), "delete")
 
     def remove_partials(self) -> None:
         """Delete temporary files a killed run left behind (local writes only: an object PUT is never partial)."""
@@ -99,29 +94,42 @@ class JobState:
                 for leftover in [p for p in fs.find(path) if p.rsplit("/", 1)[-1].startswith(".") and p.endswith(".tmp")]:
                     fs.rm(leftover)
 
-        on_storage(self.root, self.options, sweep, "clean")
+        self.store.apply(sweep, "clean")
 
     def heartbeat(self) -> None:
-        self.write_json({"run_id": self.run_id, "host": platform.node(), "pid": os.getpid(), "heartbeat": time.time()},
-                        "_LEASE.json")
+        self.store.write_json({"run_id": self.run_id, "host": platform.node(), "pid": os.getpid(),
+                               "heartbeat": time.time()}, LEASE)
+        self.last_beat = time.time()
+
+    def heartbeat_if_due(self) -> None:
+        if time.time() - self.last_beat >= HEARTBEAT_S:
+            self.heartbeat()
 
     def release(self) -> None:
-        url = self.url("_LEASE.json")
-        if exists(url, self.options):
-            on_storage(url, self.options, lambda fs, path: fs.rm(path), "delete")
+        self.store.delete(LEASE)
 
-    def committed(self) -> dict[str, dict]:
-        """Stats of every committed shard (data file and stats part both present), by shard id."""
-        data = {u.rsplit("/", 1)[-1].removesuffix(".parquet") for u in list_files(self.url("data"), self.options, [".parquet"])}
-        parts = {}
-        for url in list_files(self.url("stats", "parts"), self.options, [".json"]):
-            shard_id = url.rsplit("/", 1)[-1].removesuffix(".json")
-            if shard_id in data:
-                parts[shard_id] = json.loads(read_bytes(url, self.options))
-        return parts
+    def record_retry(self, shard_id: str, attempt: int, worker_id: str, reason: str) -> None:
+        """Keep a failed attempt for the report (one file each: runs add to them, never rewrite)."""
+        self.store.write_json({"shard_id": shard_id, "attempt": attempt, "worker_id": worker_id, "reason": reason,
+                               "at": time.time(), "run_id": self.run_id},
+                              "stats", "retries", f"{shard_id}-attempt{attempt}-{self.run_id}.json")
+
+    def committed(self) -> dict[str, ShardStats]:
+        return committed_shards(self.store)
 
 
-def _alive(lease: dict) -> bool:
+def committed_shards(store: Store) -> dict[str, ShardStats]:
+    """Stats of every committed shard (data file and stats part both present), by shard id."""
+    data = {u.rsplit("/", 1)[-1].removesuffix(".parquet") for u in store.list("data", suffixes=[".parquet"])}
+    parts = {}
+    for url in store.list("stats", "parts", suffixes=[".json"]):
+        shard_id = url.rsplit("/", 1)[-1].removesuffix(".json")
+        if shard_id in data:
+            parts[shard_id] = ShardStats.from_dict(json.loads(read_bytes(url, store.options)))
+    return parts
+
+
+def lease_alive(lease: dict) -> bool:
     """A lease holds while its heartbeat is fresh, unless its driver ran on this host and is gone
     (a killed driver must not block the rerun that resumes it)."""
     if time.time() - lease["heartbeat"] >= LEASE_TTL_S:
@@ -134,3 +142,38 @@ def _alive(lease: dict) -> bool:
         except PermissionError:
             return True
     return True
+
+
+def _output_fields(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a (redacted) config dict that determine the job's output."""
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k not in _RUN_ONLY_KEYS}
+        return node
+
+    return {k: strip(v) for k, v in config_dict.items() if k not in _RUN_ONLY_SECTIONS}
+
+
+def fingerprint(config: JobConfig) -> str:
+    """sha256 of the canonical JSON of everything that affects the output; resume refuses a change."""
+    canonical = json.dumps(_output_fields(redacted(config)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted paths of the output-affecting keys that differ between two redacted config dicts."""
+    return _diff(_output_fields(old), _output_fields(new), "")
+
+
+def _diff(old: Any, new: Any, prefix: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        changed = []
+        for key in sorted(old.keys() | new.keys()):
+            path = f"{prefix}.{key}" if prefix else key
+            if key not in old or key not in new:
+                changed.append(path)
+            else:
+                changed += _diff(old[key], new[key], path)
+        return changed
+    return [] if old == new else [prefix]

@@ -13,24 +13,20 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, NamedTuple
+from typing import IO, Literal, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
 from workers.config import JobConfig
-from workers.shard_io import (
-    KIND_BY_SUFFIX,
-    InputError,
-    ShardSpec,
-    check_columns,
-    kind_of,
-)
+from workers.model_paths import check_model_path
+from workers.shard_io import InputError, ShardSpec, check_columns
 from workers.storage import is_transient, list_files, on_storage, safe_url
 
 log = logging.getLogger(__name__)
 
+KIND_BY_SUFFIX: dict[str, Literal["parquet", "jsonl"]] = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 SAMPLE_BYTES = 64 * 1024
 _PLAN_THREADS = 8  # footers are small reads: overlap their latency on object stores
 
@@ -59,6 +55,22 @@ class _FileRanges(NamedTuple):
 
 class _CorruptFile(Exception):
     """The file is not what its name says (not Parquet, not JSONL)."""
+
+
+def kind_of(url: str) -> Literal["parquet", "jsonl"] | None:
+    """The input format a file name announces, or None when it is not an input file."""
+    for suffix, kind in KIND_BY_SUFFIX.items():
+        if url.lower().endswith(suffix):
+            return kind
+    return None
+
+
+def plan_job(config: JobConfig) -> Plan:
+    """Everything checked before Ray and torch start: the models exist, the input lists and has its columns."""
+    model = config.model
+    for path in filter(None, (model.target, model.draft if "model" in model.drafters else None)):
+        check_model_path(path, config.input.storage_options)
+    return plan_shards(config)
 
 
 def plan_shards(config: JobConfig) -> Plan:

@@ -1,4 +1,9 @@
-"""Shared fixtures: a real S3 server (moto in server mode, reached through s3fs), job configs, input files."""
+"""Shared fixtures: a real S3 server (moto in server mode, reached through s3fs), job configs and their YAML
+files, input files, a tiny model folder; and the suite's layers as markers:
+
+  pytest -m engine            the decoding engine alone (seconds)
+  pytest -m "not e2e and not cluster"   everything without Ray jobs
+"""
 
 from __future__ import annotations
 
@@ -16,11 +21,28 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
+import yaml
 from moto.server import ThreadedMotoServer
 
 from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from workers.config import JobConfig
 from workers.storage import write_bytes_atomic
+
+# Which test modules make up each layer of the suite (markers registered in pyproject.toml).
+LAYERS = {
+    "engine": ("test_generator", "test_cached_lm", "test_sampling", "test_controller"),
+    "e2e": ("test_pipeline", "test_faults", "test_cli", "test_bench"),
+    "cluster": ("test_cluster",),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        for marker, modules in LAYERS.items():
+            if module in modules:
+                item.add_marker(marker)
+
 
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -111,6 +133,19 @@ def job_config(tmp_path) -> Callable[..., JobConfig]:
 
 
 @pytest.fixture
+def write_yaml(tmp_path) -> Callable[..., str]:
+    """Write a config (a JobConfig or a plain dict) as a YAML file under tmp_path; return its path."""
+
+    def write(config: JobConfig | dict, name: str = "job.yaml") -> str:
+        data = config.model_dump(mode="json") if isinstance(config, JobConfig) else config
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return str(path)
+
+    return write
+
+
+@pytest.fixture
 def write_input() -> Callable[..., str]:
     """Write rows (a list of dicts) as Parquet or JSONL, chosen by the URL's suffix; return the URL."""
 
@@ -140,6 +175,7 @@ def local_ray():
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
+    """A tiny random Llama and its tokenizer saved as a model folder, once per session."""
     tokenizer = tiny_tokenizer()
     return str(save_model_dir(tmp_path_factory.mktemp("tiny"), tiny_llama(len(tokenizer), dtype=torch.float32), tokenizer))
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.tiny_models import tiny_llama
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.fused_decoder import FusedDecoder
+from workers.engine.linear import Linear, linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,6 +34,24 @@ def test_rows_of_different_lengths_match_full_forward(fused, monkeypatch):
         torch.testing.assert_close(after[row, 0], model(torch.tensor([kept])).logits[0, -1].float(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_rows_of_equal_length_write_one_slice_and_skip_the_mask(fused, monkeypatch):
+    """Equal lengths take the slice write; a width-1 step over them runs without a mask."""
+    model = tiny_llama(64, layers=2, seed=7)
+    if not fused:
+        monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda m: False))
+    lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)
+    prompts = [[5, 6, 7, 8], [11, 12, 13, 14]]
+    lm.prefill(prompts, 0)
+    wide = lm.logits(torch.tensor([[8, 20, 21], [14, 22, 23]]))
+    lm.advance(torch.tensor([3, 3]))
+    narrow = lm.logits(torch.tensor([[30], [31]]))
+    for row, seq in enumerate([[5, 6, 7, 8, 20, 21, 30], [11, 12, 13, 14, 22, 23, 31]]):
+        full = model(torch.tensor([seq])).logits[0].float()
+        torch.testing.assert_close(wide[row], full[3:6], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(narrow[row, 0], full[6], rtol=1e-6, atol=1e-6)
+
+
 def test_slot_moves_keep_a_row_intact():
     model = tiny_llama(64, layers=2, seed=4)
     lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)
@@ -51,3 +71,29 @@ def test_preparing_leaves_the_source_model_untouched():
         assert (t.data_ptr(), t.stride()) == (ptr, stride), name
         assert torch.equal(t, values), name
     assert not any(name.startswith("_specbatch") for name in vars(model))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_linear_layouts_agree_with_f_linear(rows, dtype, tol):
+    """On CPU oneDNN's packed layout serves several fp32 rows and every bf16 one; MKL's plain layout one fp32 row."""
+    torch.manual_seed(0)
+    weight, bias, residual = (torch.randn(48, 32).to(dtype), torch.randn(48).to(dtype), torch.randn(rows, 48).to(dtype))
+    x = torch.randn(rows, 32).to(dtype)
+    weights = Linear.of(weight, bias)
+    assert weights.packed is not None and (weights.plain is None) == (dtype == torch.bfloat16)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(linear(x, weights).float(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(linear(x, weights, residual).float(), residual.float() + expected, rtol=tol, atol=tol)
+
+
+def test_fp32_forward_matches_full_forward():
+    """The fp32 path (packed weights, fused epilogues) within fp32 rounding of transformers' forward."""
+    model = tiny_llama(64, layers=2, seed=6, dtype=torch.float32)
+    lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)
+    prompts, steps = [[5, 6, 7, 8, 9], [11, 12]], [[20, 21, 22], [23, 24, 25]]
+    lm.prefill(prompts, 0)
+    logits = lm.logits(torch.tensor([[p[-1]] + s for p, s in zip(prompts, steps)]))
+    for row, (prompt, step) in enumerate(zip(prompts, steps)):
+        full = model(torch.tensor([prompt + step])).logits[0, len(prompt) - 1 :]
+        torch.testing.assert_close(logits[row], full, rtol=1e-4, atol=1e-4)

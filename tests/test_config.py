@@ -8,16 +8,14 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipeline.job_config import ConfigError, changed_keys, fingerprint, load_config
+from pipeline.config_file import ConfigError, load_config
+from pipeline.config_reference import HEADER, reference_table
+from pipeline.job_state import changed_keys, fingerprint
 from workers.config import JobConfig, redacted, template_fields, validation_message
+from workers.storage import is_remote
 
+REPO = Path(__file__).resolve().parents[1]
 MINIMAL = {"input": {"path": "s3://bucket/prompts/"}, "output": {"path": "s3://bucket/out/"}, "model": {"target": "m"}}
-
-
-def write_yaml(tmp_path, data: dict) -> str:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
 
 
 def errors_of(data: dict) -> str:
@@ -26,33 +24,12 @@ def errors_of(data: dict) -> str:
     return validation_message(info.value)
 
 
-def test_defaults():
+def test_defaults_pass_their_own_validation_and_writing_them_out_changes_nothing():
     config = JobConfig.model_validate(MINIMAL)
-    assert config.name == "demo"
-    assert config.input.model_dump() == {
-        "path": "s3://bucket/prompts/",
-        "prompt_column": "prompt",
-        "messages_column": None,
-        "id_column": "id",
-        "template": None,
-        "storage_options": {},
-        "overlong": "truncate",
-        "on_bad_file": "fail",
-        "duplicate_ids": "error",
-    }
-    assert config.output.keep_columns == [] and config.output.storage_options == {}
-    assert config.model.model_dump() == {
-        "target": "m", "draft": None, "drafter": "ngram", "dtype": "auto", "trust_remote_code": False,
-    }
-    assert config.generation.model_dump() == {
-        "max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
-        "samples_per_prompt": 1, "stop": [], "chat_template": True,
-    }
-    assert config.speculation.model_dump() == {"k": "adaptive", "max_k": 8, "ngram_size": 3}
-    assert config.resources.model_dump() == {
-        "workers": 1, "gpus_per_worker": "auto", "cpus_per_worker": 1, "memory": None, "batch_size": 16,
-    }
-    assert config.sharding.rows_per_shard == 256 and config.retries.max_attempts == 3
+    spelled_out = yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json")))  # every default written out
+    assert set(spelled_out) == set(JobConfig.model_fields)
+    again = JobConfig.model_validate(spelled_out)
+    assert again == config and fingerprint(again) == fingerprint(config)  # so a resume sees no change
 
 
 def test_one_message_names_every_bad_key():
@@ -85,6 +62,12 @@ def test_one_message_names_every_bad_key():
     ("section", "values", "bad_key"),
     [
         ("model", {"target": "m", "drafter": "model"}, "model.draft"),
+        ("model", {"target": "m", "drafter": ["suffix", "model"]}, "model.draft"),
+        ("model", {"target": "m", "drafter": "suffx"}, "model.drafter"),
+        ("model", {"target": "m", "drafter": []}, "model.drafter"),
+        ("model", {"target": "m", "drafter": ["suffix", "suffix"]}, "model.drafter"),
+        ("model", {"target": "m", "drafter": ["none", "ngram"]}, "model.drafter"),
+        ("speculation", {"suffix_max_tokens": -1}, "speculation.suffix_max_tokens"),
         ("speculation", {"max_k": 65}, "speculation.max_k"),
         ("speculation", {"k": -1}, "speculation.k"),
         ("speculation", {"k": "fast"}, "speculation.k"),
@@ -101,6 +84,14 @@ def test_impossible_values_are_named(section, values, bad_key):
     assert f"  {bad_key}: " in errors_of({**MINIMAL, section: values})
 
 
+def test_drafter_is_a_name_or_a_list_to_compose():
+    one = JobConfig.model_validate({**MINIMAL, "model": {"target": "m", "drafter": "suffix"}})
+    assert one.model.drafters == ["suffix"]
+    composed = JobConfig.model_validate({**MINIMAL, "model": {"target": "m", "draft": "d", "drafter": ["suffix", "model"]}})
+    assert composed.model.drafters == ["suffix", "model"]
+    assert JobConfig.model_validate(composed.model_dump()) == composed
+
+
 def test_prompt_source_follows_messages_or_template():
     chat = JobConfig.model_validate({**MINIMAL, "input": {"path": "p", "messages_column": "messages"}})
     assert chat.input.prompt_column is None and chat.input.messages_column == "messages"
@@ -110,8 +101,8 @@ def test_prompt_source_follows_messages_or_template():
     assert template_fields("no fields") == []
 
 
-def test_load_config_with_overrides(tmp_path):
-    path = write_yaml(tmp_path, {**MINIMAL, "generation": {"temperature": 0.7}})
+def test_load_config_with_overrides(tmp_path, write_yaml):
+    path = write_yaml({**MINIMAL, "generation": {"temperature": 0.7}})
     config = load_config(
         path,
         [
@@ -132,20 +123,31 @@ def test_load_config_with_overrides(tmp_path):
     assert config.sharding.rows_per_shard == 10
 
 
-def test_load_config_reports_every_problem_including_overrides(tmp_path):
-    path = write_yaml(tmp_path, {**MINIMAL, "generation": {"top_p": 2}})
+def test_load_config_reports_every_problem_and_where_it_was_set(tmp_path, write_yaml):
+    path = write_yaml({**MINIMAL, "generation": {"top_p": 2, "max_new_token": 3}})
     with pytest.raises(ConfigError) as info:
-        load_config(path, ["generation.max_new_tokenz=5", "speculation.k=99", "extra.section=1"])
-    message = str(info.value)
-    assert message.startswith(path)
-    for key in ["generation.top_p", "generation.max_new_tokenz: unknown key", "speculation.k", "extra: unknown key"]:
-        assert key in message
+        load_config(path, ["generation.max_new_tokenz=5", "speculation.k=99", "extra.section=1", "generation.k=2"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid config (6 problems):"
+    for line in [f"generation.top_p (in {path}): ",
+                 f"generation.max_new_token (in {path}): unknown key; did you mean generation.max_new_tokens?",
+                 "generation.max_new_tokenz (from --set): unknown key; did you mean generation.max_new_tokens?",
+                 "speculation.k (from --set): must be between 0 and max_k (8)",
+                 "extra (from --set): unknown key",
+                 "generation.k (from --set): unknown key; did you mean speculation.k?"]:
+        assert any(l.strip().startswith(line) for l in lines), line
+
+
+def test_did_you_mean_only_when_something_is_close():
+    assert "did you mean speculation?" in errors_of({**MINIMAL, "speculaton": {}})
+    assert "did you mean" not in errors_of({**MINIMAL, "zzz": 1})
+    assert "did you mean" not in errors_of({**MINIMAL, "input": {"path": "p", "storage_options": {}, "qqqq": 1}})
 
 
 @pytest.mark.parametrize("override", ["no_equals_sign", "a..b=1", "input.path.sub=1"])
-def test_malformed_overrides(tmp_path, override):
+def test_malformed_overrides(tmp_path, override, write_yaml):
     with pytest.raises(ConfigError, match="--set"):
-        load_config(write_yaml(tmp_path, MINIMAL), [override])
+        load_config(write_yaml(MINIMAL), [override])
 
 
 def test_unreadable_configs(tmp_path):
@@ -187,16 +189,16 @@ def test_redacted_hides_secrets_at_any_depth():
     assert config.input.storage_options == SECRETS  # the config itself keeps them
 
 
-def test_config_errors_never_show_secret_values(tmp_path):
+def test_config_errors_never_show_secret_values(tmp_path, write_yaml):
     data = {
         **MINIMAL,
         "input": {"path": "p", "storage_options": "key=hunter2"},
         "output": {"path": "o", "aws_secret": "s3cr3t"},
     }
     with pytest.raises(ConfigError) as info:
-        load_config(write_yaml(tmp_path, data), ["input.storage_options=token-abc"])
+        load_config(write_yaml(data), ["input.storage_options=token-abc"])
     message = str(info.value)
-    assert "input.storage_options" in message and "output.aws_secret: unknown key" in message
+    assert "input.storage_options (from --set)" in message and "unknown key" in message and "output.aws_secret" in message
     for secret in ["hunter2", "s3cr3t", "token-abc"]:
         assert secret not in message
 
@@ -220,9 +222,35 @@ def test_fingerprint_tracks_output_affecting_fields_only():
     assert changed_keys({"a": {"b": 1}}, {"a": {"c": 1}, "resources": {}}) == ["a.b", "a.c"]
 
 
+def test_relative_paths_resolve_against_the_config_file_and_set_paths_against_the_cwd(tmp_path, monkeypatch):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({"input": {"path": "data/in.jsonl"}, "output": {"path": "../out/"},
+                                    "model": {"target": "~/models/m", "draft": "s3://b/d", "drafter": "model"}}))
+    monkeypatch.chdir(tmp_path / "configs")
+    config = load_config("job.yaml", ["model.draft=drafts/d"])
+    assert config.input.path == str(folder / "data" / "in.jsonl")
+    assert config.output.path == str(tmp_path / "out")
+    assert config.model.target == "~/models/m"  # a home path is not relative to the config
+    assert config.model.draft == "drafts/d"  # --set: as typed, relative to the working directory
+    remote = load_config(str(path), ["input.path=s3://bucket/in/", "model.target=demo:smollm2"])
+    assert remote.input.path == "s3://bucket/in/" and remote.model.target == "demo:smollm2"
+
+
 @pytest.mark.parametrize("file, name", [("demo", "demo"), ("synthetic", "synthetic"), ("structured", "structured"),
                                         ("cluster", "cluster-example")])
-def test_shipped_job_configs_validate(file, name):
-    """Every job config shipped in configs/ loads the way `specbatch run` loads it."""
-    config = load_config(str(Path(__file__).resolve().parents[1] / "configs" / f"{file}.yaml"))
+def test_shipped_job_configs_load_from_any_folder(file, name, tmp_path, monkeypatch):
+    """Every job config shipped in configs/ loads the way `specbatch run` loads it, whatever the working directory."""
+    monkeypatch.chdir(tmp_path)
+    config = load_config(str(REPO / "configs" / f"{file}.yaml"))
     assert config.name == name
+    if not is_remote(config.input.path):
+        assert Path(config.input.path).is_file() and Path(config.output.path).parent == REPO / "out"
+
+
+def test_the_readme_config_table_is_generated_from_the_field_descriptions():
+    readme = (REPO / "README.md").read_text()
+    start = readme.index(HEADER)
+    assert readme[start:readme.index("\n\n", start)] == reference_table(), \
+        "README's config table is stale: paste the output of `python -m pipeline.config_reference`"

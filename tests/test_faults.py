@@ -36,15 +36,15 @@ def _kill_session(proc: subprocess.Popen) -> None:
             pass
 
 
-def _slow_job(model_dir: str, tmp_path, write_input) -> tuple[list[str], object]:
+def _slow_job(model_dir: str, tmp_path, write_input, write_yaml) -> tuple[list[str], object]:
     """A CLI command for a 16-row job slow enough to interrupt, and its output folder."""
     path = write_input(str(tmp_path / "in.jsonl"), prompts(16))
-    config, out = tmp_path / "job.yaml", tmp_path / "out"
-    config.write_text(json.dumps({
+    out = tmp_path / "out"
+    config = write_yaml({
         "name": "resume", "input": {"path": path}, "output": {"path": str(out)}, "model": {"target": model_dir},
         "generation": {"max_new_tokens": 48}, "speculation": {"k": 0},
-        "resources": {"cpus_per_worker": 0.5, "batch_size": 1}, "sharding": {"rows_per_shard": 2}}))
-    return [sys.executable, "-m", "jobs.cli", "run", str(config), "--quiet", "--json"], out
+        "resources": {"cpus_per_worker": 0.5, "batch_size": 1}, "sharding": {"rows_per_shard": 2}})
+    return [sys.executable, "-m", "jobs.cli", "run", config, "--quiet", "--json"], out
 
 
 def _start_and_wait_for_commits(command: list[str], out, commits: int = 2) -> subprocess.Popen:
@@ -61,13 +61,13 @@ def _resume_and_check(command: list[str], out, model_dir: str, committed: set[st
     second = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr[-2000:]
     summary = json.loads(second.stdout)
-    assert summary["shards_skipped"] >= len(committed) and summary["shards"] == 8
+    assert summary["this_run"]["shards_resumed"] >= len(committed) and summary["job"]["shards"] == 8
     assert not [p for p in out.rglob("*") if p.name.startswith(".")], "a partial file of the killed run is visible"
     assert_exactly_once(make_config(model_dir, str(out.parent / "in.jsonl"), str(out)), [f"p{i}" for i in range(16)])
 
 
-def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(model_dir, tmp_path, write_input):
-    command, out = _slow_job(model_dir, tmp_path, write_input)
+def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(model_dir, tmp_path, write_input, write_yaml):
+    command, out = _slow_job(model_dir, tmp_path, write_input, write_yaml)
     proc = _start_and_wait_for_commits(command, out)
     os.kill(proc.pid, signal.SIGINT)
     try:
@@ -79,8 +79,8 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(model_dir, tmp_path, write_i
     _resume_and_check(command, out, model_dir, {p.stem for p in (out / "stats" / "parts").glob("*.json")})
 
 
-def test_killed_driver_resumes_without_regenerating(model_dir, tmp_path, write_input):
-    command, out = _slow_job(model_dir, tmp_path, write_input)
+def test_killed_driver_resumes_without_regenerating(model_dir, tmp_path, write_input, write_yaml):
+    command, out = _slow_job(model_dir, tmp_path, write_input, write_yaml)
     first = _start_and_wait_for_commits(command, out)
     _kill_session(first)
     committed = {p.stem for p in (out / "stats" / "parts").glob("*.json")}
@@ -119,5 +119,6 @@ def test_s3_outage_mid_job_is_retried_and_loses_nothing(model_dir, restartable_s
     summary = run_job(config, progress=False)
     thread.join()
     assert "restarted" in outage
-    assert summary["shards"] == 8
+    assert outage["stopped"] < summary["job"]["finished_at"], "the job ended before the outage began"
+    assert summary["job"]["shards"] == 8
     assert_exactly_once(config, [f"p{i}" for i in range(16)])

@@ -1,6 +1,7 @@
 """The batched speculative generator against transformers' own `generate` (the oracle nobody here wrote).
 
-Greedy: every drafter (none, n-gram, a draft model, a plugged-in synthetic one), every k in 0..MAX_K,
+Greedy: every drafter (none, n-gram, suffix, a draft model, a plugged-in synthetic one, a composition),
+every k in 0..MAX_K,
 batch sizes 1 and > 1, prompts of mixed lengths and more prompts than slots, must give exactly the
 tokens of `model.generate(do_sample=False)` run per prompt at batch size 1. Then the ways rows end
 (EOS, stop strings, max_new_tokens, empty and overlong prompts), reproducibility under sampling, and
@@ -8,12 +9,15 @@ the counters.
 """
 from __future__ import annotations
 
+import os
 import re
+import time
 
 import pytest
 import torch
 
 from tests.tiny_models import OracleDrafter, tiny_draft, tiny_llama, tiny_tokenizer
+from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.controller import FixedK
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import NoDrafter
@@ -21,6 +25,7 @@ from workers.engine.generator import GenerationSettings, Request, SpeculativeGen
 from workers.engine.model_drafter import ModelDrafter
 from workers.engine.ngram_drafter import NgramDrafter
 from workers.engine.sampling import SamplingParams
+from workers.engine.suffix_drafter import SuffixDrafter
 
 MAX_K = 4
 GREEDY = SamplingParams()
@@ -78,8 +83,13 @@ def make_drafter(name: str, draft, references, prompt_ids, vocab: int, sampling:
         return NgramDrafter(3)
     if name == "model":
         return ModelDrafter(DecodingModel.prepare(draft), sampling)
+    if name == "suffix":
+        return SuffixDrafter(max_tokens=4096)
     if name == "synthetic":
         return OracleDrafter({tuple(p): r for p, r in zip(prompt_ids, references)}, alpha=0.6, vocab_size=vocab, seed=7)
+    if "+" in name:
+        return ComposedDrafter([make_drafter(part, draft, references, prompt_ids, vocab, sampling)
+                                for part in name.split("+")])
     raise ValueError(name)
 
 
@@ -107,7 +117,7 @@ def check_stats(stats, k: int) -> None:
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("k", range(MAX_K + 1))
-@pytest.mark.parametrize("drafter_name", ["none", "ngram", "model", "synthetic"])
+@pytest.mark.parametrize("drafter_name", ["none", "ngram", "suffix", "model", "synthetic", "suffix+model"])
 def test_greedy_equals_transformers_generate(tok, target, draft, prompt_ids, references, drafter_name, k, batch_size):
     drafter = make_drafter(drafter_name, draft, references, prompt_ids, len(tok))
     stats, results = run(target, tok, drafter, k, requests_for(prompt_ids), batch_size=batch_size)
@@ -122,13 +132,13 @@ def test_greedy_equals_transformers_generate(tok, target, draft, prompt_ids, ref
     assert stats.prompt_tokens == sum(len(p) for p in prompt_ids)
     # every step verifies at least one token per live row, so speculation can only save passes
     assert stats.target_passes <= MAX_NEW * len(prompt_ids)
-    if k and drafter_name in ("model", "synthetic"):
+    if k and drafter_name in ("model", "synthetic", "suffix+model"):
         assert stats.accepted_tokens > 0, "speculation never paid; the test would not exercise acceptance"
     if drafter_name == "model" and k:
         assert stats.draft_passes == sum(j * int(n) for j, n in enumerate(stats.k_hist))
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "model", "synthetic"])
+@pytest.mark.parametrize("drafter_name", ["ngram", "suffix", "model", "synthetic"])
 def test_rows_hitting_eos_early_leave_the_batch(tok, prompt_ids, drafter_name):
     target = tiny_llama(len(tok), seed=0)
     plain = [hf_greedy(target, ids, MAX_NEW) for ids in prompt_ids]
@@ -168,7 +178,7 @@ def pick_stop(text: str) -> str:
 
 
 @pytest.mark.parametrize("drafter_name,k,batch_size", [("none", 0, 1), ("ngram", 3, 2), ("synthetic", 4, 2),
-                                                        ("model", 2, 3)])
+                                                        ("model", 2, 3), ("suffix", 3, 2), ("suffix+ngram", 4, 3)])
 def test_stop_strings(tok, target, draft, prompt_ids, references, drafter_name, k, batch_size):
     stop = pick_stop(tok.decode(references[1], skip_special_tokens=True))
     stops = (stop, "never appears \u2603")
@@ -233,7 +243,7 @@ def test_sampling_is_reproducible_and_independent_of_k_batch_and_deterministic_d
     requests = requests_for(prompt_ids, seed0=1234)
     outputs, drafted = {}, 0
     for name, k, batch_size in [("ngram", 0, 1), ("ngram", 2, 3), ("ngram", 4, 1), ("ngram", 4, 4), ("ngram", 1, 6),
-                                ("none", 3, 2), ("greedy-model", 3, 2)]:
+                                ("none", 3, 2), ("greedy-model", 3, 2), ("suffix", 3, 3), ("suffix+ngram", 4, 2)]:
         drafter = ModelDrafter(DecodingModel.prepare(draft), SamplingParams()) if name == "greedy-model" else make_drafter(
             name, draft, None, None, len(tok))
         stats, results = run(target, tok, drafter, k, requests, batch_size=batch_size, sampling=SAMPLING)
@@ -260,3 +270,54 @@ def test_leviathan_path_is_reproducible_across_runs_and_batch_sizes(tok, target,
         check_stats(stats, 3)
         assert stats.accepted_tokens > 0
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("drafter_name,k", [("none", 0), ("ngram", 3), ("model", 2)])
+def test_logprobs_are_the_targets_own_whatever_the_drafter(tok, target, draft, prompt_ids, references, drafter_name, k):
+    """Against transformers' raw per-step logits: speculation must not change a single log-probability."""
+    top = 3
+    drafter = make_drafter(drafter_name, draft, references, prompt_ids, len(tok))
+    _, results = run(target, tok, drafter, k, requests_for(prompt_ids), batch_size=3, logprobs=top)
+    for ids, ref, result in zip(prompt_ids, references, results):
+        out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              do_sample=False, max_new_tokens=MAX_NEW, output_logits=True, return_dict_in_generate=True,
+                              pad_token_id=tok.pad_token_id)
+        logp = torch.log_softmax(torch.cat(out.logits).float(), -1)[: len(ref)]
+        assert len(result.logprobs) == len(result.top_logprobs) == len(ref)
+        torch.testing.assert_close(torch.tensor(result.logprobs), logp[torch.arange(len(ref)), torch.tensor(ref)],
+                                   rtol=1e-5, atol=1e-5)
+        best = logp.topk(top, -1)
+        assert [[t for t, _ in pos] for pos in result.top_logprobs] == best.indices.tolist()
+        assert result.top_logprobs[0][0][0] == ref[0]  # greedy: the chosen token is the most likely one
+
+
+def test_no_logprobs_unless_asked(tok, target, prompt_ids):
+    _, results = run(target, tok, NgramDrafter(), 2, requests_for(prompt_ids[:2]))
+    assert all(r.logprobs is None and r.top_logprobs is None for r in results)
+
+
+def test_phase_times_add_up_to_the_wall_time(tok, target, prompt_ids):
+    """prefill + draft + verify + other account for generate()'s whole wall time (within 1%)."""
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), tok, NgramDrafter(3), FixedK(2),
+                                     GenerationSettings(max_new_tokens=MAX_NEW, max_k=MAX_K, batch_size=2))
+    started = time.perf_counter()
+    stats = generator.generate(requests_for(prompt_ids)).stats
+    wall = time.perf_counter() - started
+    parts = [stats.prefill_s, stats.draft_s, stats.verify_s, stats.other_s]
+    assert min(parts) > 0
+    assert sum(parts) == pytest.approx(wall, rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.environ.get("SPECBATCH_SLOW_TESTS") != "1",
+                    reason="torch.compile takes a minute or more on a small CPU; set SPECBATCH_SLOW_TESTS=1")
+def test_compiled_decoder_gives_the_eager_tokens(tok, prompt_ids):
+    """model.compile: the compiled layers (fp32: oneDNN matmuls as an opaque op) decode the eager path's tokens."""
+    model = tiny_llama(len(tok), layers=1, seed=1, dtype=torch.float32)
+    outputs = []
+    for compile in (False, True):
+        generator = SpeculativeGenerator(DecodingModel.prepare(model, compile=compile), tok, NgramDrafter(3), FixedK(2),
+                                         GenerationSettings(max_new_tokens=MAX_NEW, max_k=MAX_K, batch_size=3))
+        outputs.append([c.token_ids for c in generator.generate(requests_for(prompt_ids)).completions])
+    assert outputs[0] == outputs[1]

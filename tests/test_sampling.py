@@ -24,9 +24,12 @@ import workers.engine.generator as generator_module
 from tests.tiny_models import StubTokenizer, tiny_draft, tiny_llama
 from workers.engine.controller import FixedK
 from workers.engine.decoding_model import DecodingModel
+from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.drafter import Drafter, pack
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
+from workers.engine.mtp_drafter import MTPDrafter
+from workers.engine.suffix_drafter import SuffixDrafter
 from workers.engine.sampling import (
     SamplingParams,
     Verdict,
@@ -35,6 +38,7 @@ from workers.engine.sampling import (
     uniforms,
     verify_sampled,
 )
+from workers.mtp_head import HeadSpec, MTPHead
 
 V = 12
 PROMPT = [1, 5, 7, 3]
@@ -135,17 +139,31 @@ def target():
     return model
 
 
+def mtp_head(target, vocab_ids: torch.Tensor | None) -> MTPHead:
+    torch.manual_seed(3)
+    head = MTPHead(HeadSpec.for_target(target, "tiny", 1, 0 if vocab_ids is None else len(vocab_ids)), target)
+    if vocab_ids is not None:
+        head.vocab_ids.copy_(vocab_ids)
+    return head.to(target.dtype).eval()
+
+
 @pytest.fixture(scope="module")
 def drafts(target):
     """Greedy drafts (the deterministic path) come from a draft sharing the target's first layer; sampled
-    drafts (the Leviathan path) from an unrelated model. Both disagree with the target often."""
-    return {"deterministic-draft": ModelDrafter(DecodingModel.prepare(tiny_draft(target)), SamplingParams()),
-            "leviathan": ModelDrafter(DecodingModel.prepare(tiny_llama(V, seed=2, hidden=32)), SamplingParams())}
+    drafts (the Leviathan path) from an unrelated model, or from an (untrained) MTP head on the target's own
+    states, over the whole vocabulary or over 8 of its 12 tokens (q is 0 outside them). All disagree with
+    the target often."""
+    decoding = DecodingModel.prepare(target)
+    return {"deterministic-draft": DecodingModel.prepare(tiny_draft(target)),
+            "leviathan": DecodingModel.prepare(tiny_llama(V, seed=2, hidden=32)),
+            "mtp": (decoding, mtp_head(target, None)), "mtp-reduced": (decoding, mtp_head(target, torch.arange(2, 10)))}
 
 
-def drafter_for(drafts, path: str, params: SamplingParams) -> ModelDrafter:
-    model = drafts[path].model
-    return ModelDrafter(model, SamplingParams() if path == "deterministic-draft" else params)
+def drafter_for(drafts, path: str, params: SamplingParams):
+    sampling = SamplingParams() if path == "deterministic-draft" else params
+    if path.startswith("mtp"):
+        return MTPDrafter(*drafts[path], sampling)
+    return ModelDrafter(drafts[path], sampling)
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +258,7 @@ N = 3000
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan"])
+@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan", "mtp", "mtp-reduced"])
 def test_generator_samples_the_target_distribution(target, drafts, exact, params, path):
     drafter = drafter_for(drafts, path, params)
     pairs, thirds, stats = sample_first_tokens(target, drafter, params, N, k=2, seed0=1000)
@@ -254,7 +272,7 @@ def test_generator_samples_the_target_distribution(target, drafts, exact, params
 
 
 @pytest.mark.parametrize("wrong", [accept_everything, skip_residual])
-@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan"])
+@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan", "mtp"])
 def test_a_wrong_sampler_fails_the_same_check(target, drafts, exact, monkeypatch, wrong, path):
     params = PARAMS[2]
     monkeypatch.setattr(generator_module, "verify_sampled", wrong)
@@ -264,13 +282,13 @@ def test_a_wrong_sampler_fails_the_same_check(target, drafts, exact, monkeypatch
     assert min(chi_square_pvalue(pairs, joint), chi_square_pvalue(thirds, third)) < P_MIN
 
 
+class Cycle(Drafter):
+    def propose(self, rows, k, caps):
+        return pack([[(row.tokens[-1] + j + 1) % V for j in range(min(k, cap))] for row, cap in zip(rows, caps)], k)
+
+
 def test_greedy_k_changes_nothing_under_sampling_with_a_plugged_in_drafter(target, exact):
     """A plugged-in deterministic drafter proposing a fixed, mostly wrong, cycle of tokens."""
-
-    class Cycle(Drafter):
-        def propose(self, rows, k, caps):
-            return pack([[(row.tokens[-1] + j + 1) % V for j in range(min(k, cap))] for row, cap in zip(rows, caps)], k)
-
     params = PARAMS[0]
     pairs, thirds, stats = sample_first_tokens(target, Cycle(), params, N, k=2, seed0=1000)
     assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0
@@ -278,6 +296,26 @@ def test_greedy_k_changes_nothing_under_sampling_with_a_plugged_in_drafter(targe
     assert chi_square_pvalue(pairs, joint) > P_MIN and chi_square_pvalue(thirds, third) > P_MIN
     reference, _, _ = sample_first_tokens(target, Cycle(), params, N, k=0, seed0=1000)
     assert np.array_equal(pairs, reference), "deterministic drafts must not change any completion"
+
+
+@pytest.mark.parametrize("name,min_prob", [("suffix", 0.02), ("suffix+leviathan", 0.3)])
+def test_job_wide_and_composed_drafters_sample_the_target_distribution(target, drafts, exact, name, min_prob):
+    """The suffix drafter first indexes N earlier completions of the prompt (other seeds), then drafts
+    their most frequent continuations: often right, often not. Composed with a sampling draft model
+    (min_prob 0.3 leaves it about a third of the rows at the second step), the rows the index is unsure
+    of take the Leviathan rule and the others a one-hot q, in the same verify pass."""
+    params = PARAMS[0]
+    suffix = SuffixDrafter(max_tokens=10 * N, min_prob=min_prob)
+    drafter = suffix if name == "suffix" else ComposedDrafter([suffix, drafter_for(drafts, "leviathan", params)])
+    sample_first_tokens(target, suffix, params, N, k=0, seed0=1_000_000)  # the job so far
+    pairs, thirds, stats = sample_first_tokens(target, drafter, params, N, k=2, seed0=1000)
+    assert acceptance(stats) < 0.7
+    assert stats.accepted_by_position[0] >= 0.1 * N and stats.accepted_by_position[1] >= 0.02 * N
+    joint, third = exact[params]
+    assert chi_square_pvalue(pairs, joint) > P_MIN and chi_square_pvalue(thirds, third) > P_MIN
+    if name == "suffix":
+        reference, _, _ = sample_first_tokens(target, Cycle(), params, N, k=0, seed0=1000)
+        assert np.array_equal(pairs, reference), "one-hot drafts must not change any completion"
 
 
 def test_sampling_oracle_is_sane(exact):

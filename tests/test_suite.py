@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jobs.suite import SPLITS, SuiteError, SuitePrompt, interleave, load_suite
-from pipeline.job_config import load_config
+from pipeline.config_file import load_config
 from pipeline.planner import plan_shards
 from workers.config import template_fields
 from workers.shard_io import read_shard

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from workers.config import JobConfig
+from workers.schemas import ShardStats
 from workers.shard_io import ShardSpec
 from workers.shard_runner import ShardRunner
 
@@ -18,11 +18,8 @@ class GenerationWorker:
         torch.set_num_threads(max(1, math.ceil(cpus)))  # cpus_per_worker is this worker's torch thread count
         self.runner = ShardRunner(JobConfig.model_validate(config), worker_id)
 
-    def run_shard(self, spec: ShardSpec, attempt: int) -> dict:
-        return self.runner.run(spec, attempt)
-
-    def pid(self) -> int:
-        return os.getpid()
+    def run_shard(self, spec: ShardSpec, attempt: int, run_id: str) -> ShardStats:
+        return self.runner.run(spec, attempt, run_id)
 
     def device(self) -> str:
         return str(self.runner.device)

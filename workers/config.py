@@ -7,8 +7,10 @@ unknown keys and runs in strict mode, so a typo or a wrong type is reported inst
 
 from __future__ import annotations
 
+import difflib
 import re
 import string
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -42,6 +44,19 @@ def _either(word: str, kind: type[int] | tuple[type, ...], minimum: float, label
     return PlainValidator(check)
 
 
+DRAFTER_NAMES = ("model", "mtp", "ngram", "none", "suffix")  # the registry's names (workers/registry.py)
+
+
+def _drafter_names(value: Any) -> str | list[str]:
+    """A drafter name, or a list of them to compose (the first with a proposal drafts each row)."""
+    names = value if isinstance(value, list) else [value]
+    if not names or any(not isinstance(n, str) or n not in DRAFTER_NAMES for n in names):
+        raise ValueError(f"must be one of {', '.join(DRAFTER_NAMES)}, or a non-empty list of them")
+    if isinstance(value, list) and (len(set(names)) != len(names) or "none" in names):
+        raise ValueError("a list names each drafter once and leaves out 'none'")
+    return value
+
+
 def _key_error(key: str, reason: str) -> PydanticCustomError:
     """A cross-field error that validation_message reports under section.key, not the section."""
     return PydanticCustomError("bad_key", "{reason}", {"key": key, "reason": reason})
@@ -66,15 +81,20 @@ class _Section(BaseModel):
 
 
 class InputConfig(_Section):
-    path: str
-    prompt_column: str | None = "prompt"
-    messages_column: str | None = None
-    id_column: str | None = "id"
-    template: str | None = None
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    overlong: Literal["truncate", "error"] = "truncate"
-    on_bad_file: Literal["fail", "skip"] = "fail"
-    duplicate_ids: Literal["error", "suffix"] = "error"
+    path: str = Field(description="a file, folder (recursive) or glob; `.parquet` or `.jsonl`/`.json` by extension")
+    prompt_column: str | None = Field("prompt", description="plain-text prompt column")
+    messages_column: str | None = Field(None, description="instead: a list of `{role, content}` chat messages")
+    id_column: str | None = Field("id", description="stable row id; `null` derives `file:row` (Parquet) or `file@byte` (JSONL)")
+    template: str | None = Field(None, description='instead: a prompt built from row columns, e.g. `"Summarize:\\n{text}"`')
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to fsspec (`endpoint_url`, `key`, `secret`, `anon`, …); also used for models in object storage")
+    overlong: Literal["truncate", "error"] = Field(
+        "truncate", description="prompts longer than the context: `truncate` (keep the end) or `error` (error row)")
+    on_bad_file: Literal["fail", "skip"] = Field(
+        "fail", description="corrupt / non-Parquet file: `fail` (name it) or `skip` (listed in the summary)")
+    duplicate_ids: Literal["error", "suffix"] = Field(
+        "error", description="a repeated id within a shard: `error` row, or `suffix` (`id#1`)")
 
     @field_validator("template")
     @classmethod
@@ -99,9 +119,11 @@ class InputConfig(_Section):
 
 
 class OutputConfig(_Section):
-    path: str
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    keep_columns: list[str] = Field(default_factory=list)
+    path: str = Field(description="where the output goes (see Output)")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the output")
+    keep_columns: list[str] = Field(default_factory=list, description="input columns copied into every output row")
+    max_failed_rows: int = Field(
+        0, ge=0, description="more failed rows than this: exit code 3 (the output and `_SUCCESS` are written all the same)")
 
     @field_validator("keep_columns")
     @classmethod
@@ -115,34 +137,58 @@ class OutputConfig(_Section):
 
 
 class ModelConfig(_Section):
-    target: str
-    draft: str | None = None
-    drafter: Literal["model", "ngram", "none"] = "ngram"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    trust_remote_code: bool = False
+    target: str = Field(description="local folder, `s3://` folder, `.gguf` file, or `demo:smollm2`")
+    draft: str | None = Field(None, description="draft model sharing the target's tokenizer")
+    drafter: Annotated[str | list[str], PlainValidator(_drafter_names)] = Field("ngram", description=(
+        "`none`, `ngram` (prompt lookup in the row), `suffix` (an index over everything this worker has read and "
+        "written in the job), `model` (a small draft model at model.draft), `mtp` (an MTP head made by `specbatch distill`, at model.draft), or a list such as `[suffix, ngram]`: "
+        "per row, the first drafter in the list with a confident proposal drafts"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="`auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`")
+    trust_remote_code: bool = Field(False, description="passed to transformers")
+    compile: bool = Field(False, description=(
+        "torch.compile the decoder layers (Llama-family models): fuses the elementwise work between matmuls; "
+        "the first passes compile (0.5-2 minutes on a small CPU). Off by default: on the CPU it was measured "
+        "on (SmolLM2-135M fp32, batch 1 and 8, widths 1 and 9) compiled passes were 0-20% slower than eager."))
 
     @model_validator(mode="after")
     def _draft_present(self) -> ModelConfig:
-        if self.drafter == "model" and not self.draft:
-            raise _key_error("draft", "required when drafter is 'model'")
+        needs = [name for name in ("model", "mtp") if name in self.drafters]
+        if len(needs) > 1:
+            raise _key_error("drafter", "model.draft holds one set of weights: name `model` or `mtp`, not both")
+        if needs and not self.draft:
+            raise _key_error("draft", f"required when drafter is '{needs[0]}'")
         return self
+
+    @property
+    def drafters(self) -> list[str]:
+        return self.drafter if isinstance(self.drafter, list) else [self.drafter]
 
 
 class GenerationConfig(_Section):
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    samples_per_prompt: int = Field(1, ge=1)
-    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
-    chat_template: bool = True
+    max_new_tokens: int = Field(128, ge=1, description="per completion")
+    temperature: float = Field(0.0, ge=0, description="`0` = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; applied to target and draft alike")
+    top_k: int = Field(0, ge=0, description="`0` = off; applied to target and draft alike")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="each row's seed derives from it, the row id and the sample index")
+    samples_per_prompt: int = Field(1, ge=1, description="completions per row (`sample_index` 0..n-1)")
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, description="stop strings besides the model's EOS (the completion ends before them)")
+    chat_template: bool = Field(True, description="wrap plain prompts in the tokenizer's chat template")
+    logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "log-probabilities in the output: the chosen token's at every position, plus the N most likely "
+        "tokens' (0: the chosen token's only; null: none). From the target's own logits, before "
+        "temperature and top-k/top-p, so speculation never changes them"))
 
 
 class SpeculationConfig(_Section):
-    k: Annotated[int | str, _either("adaptive", int, 0, "an integer")] = "adaptive"
-    max_k: int = Field(8, ge=0, le=64)
-    ngram_size: int = Field(3, ge=1, le=64)
+    k: Annotated[int | str, _either("adaptive", int, 0, "an integer")] = Field(
+        "adaptive", description="`adaptive` or a fixed int (`0` = no speculation)")
+    max_k: int = Field(8, ge=0, le=64, description="largest draft length")
+    ngram_size: int = Field(3, ge=1, le=64, description="longest n-gram the prompt-lookup drafter matches")
+    suffix_max_tokens: int = Field(32768, ge=0, description=(
+        "tokens the suffix drafter keeps indexed per worker (prompts and completions, oldest finished rows "
+        "evicted first); about 2 KiB of memory per token"))
 
     @model_validator(mode="after")
     def _k_within_max(self) -> SpeculationConfig:
@@ -152,25 +198,27 @@ class SpeculationConfig(_Section):
 
 
 class ResourcesConfig(_Section):
-    workers: Annotated[int | str, _either("auto", int, 1, "an integer")] = 1
-    gpus_per_worker: Annotated[float | str, _either("auto", (int, float), 0, "a number")] = "auto"
-    cpus_per_worker: float = Field(1, gt=0)
-    memory: int | None = Field(None, gt=0)
-    batch_size: int = Field(16, ge=1)
+    workers: Annotated[int | str, _either("auto", int, 1, "an integer")] = Field(
+        1, description="worker actors, or `auto` (one per GPU)")
+    gpus_per_worker: Annotated[float | str, _either("auto", (int, float), 0, "a number")] = Field(
+        "auto", description="`auto` = 1 when the cluster has GPUs, else CPU")
+    cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per actor; also the actor's torch thread count")
+    memory: int | None = Field(None, gt=0, description="optional bytes per actor")
+    batch_size: int = Field(16, ge=1, description="rows generated together per worker")
 
 
 class ShardingConfig(_Section):
-    rows_per_shard: int = Field(256, ge=1)
+    rows_per_shard: int = Field(256, ge=1, description="rows per shard (JSONL: estimated from the first 64 KiB)")
 
 
 class RetriesConfig(_Section):
-    max_attempts: int = Field(3, ge=1)
+    max_attempts: int = Field(3, ge=1, description="attempts per shard (worker death, storage failure)")
 
 
 class JobConfig(_Section):
     """A whole job; build it with JobConfig.model_validate(dict_from_yaml)."""
 
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="job name (`[A-Za-z0-9_.-]+`)")
     input: InputConfig
     output: OutputConfig
     model: ModelConfig
@@ -181,45 +229,73 @@ class JobConfig(_Section):
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
 
 
-def is_secret_key(key: str) -> bool:
-    """Whether a key's value must never be shown (key, secret, token, password, ...)."""
-    return bool(_SECRET_KEY.search(key))
+def is_secret(key: str, value: Any) -> bool:
+    """Whether a value must never be shown: text (or a section) under a key that names a secret (key, secret,
+    token, password, ...). Numbers and flags under such names (max_new_tokens) are settings."""
+    return bool(_SECRET_KEY.search(key)) and value is not None and not isinstance(value, (bool, int, float))
 
 
-def validation_message(err: ValidationError) -> str:
-    """One message naming every bad key as a dotted path with its reason, and never a secret value."""
-    lines = []
+def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
+    """(dotted key, reason) for every problem, with a "did you mean" for unknown keys and never a secret value."""
+    problems = []
     for e in err.errors(include_url=False):
         loc = [str(part) for part in e["loc"]]
         if e["type"] == "bad_key":
             loc.append(e["ctx"]["key"])
-        path = ".".join(loc) or "(config)"
         if e["type"] == "extra_forbidden":
-            reason = "unknown key"
+            reason = "unknown key" + _did_you_mean(loc)
         elif e["type"] == "missing":
             reason = "required key is missing"
         else:
             reason = e["msg"].removeprefix("Value error, ")
             value = e.get("input")
-            private = any(is_secret_key(p) or p == "storage_options" for p in loc)
+            private = "storage_options" in loc or any(is_secret(p, value) for p in loc)
             if isinstance(value, (str, int, float)) and not private:
                 reason += f" (got {safe_url(value) if isinstance(value, str) else value!r})"
-        lines.append(f"  {path}: {reason}")
+        problems.append((".".join(loc) or "(config)", reason))
+    return problems
+
+
+def validation_message(err: ValidationError, source: Callable[[str], str] = lambda key: "") -> str:
+    """One message naming every bad key as a dotted path with its reason; source(key) says where it was set."""
+    lines = [f"  {key}{source(key)}: {reason}" for key, reason in validation_problems(err)]
     return f"invalid config ({len(lines)} problem{'s' if len(lines) != 1 else ''}):\n" + "\n".join(lines)
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    return {name: field.annotation for name, field in JobConfig.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)}
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    """A suggestion for an unknown key: the same name in another section, else a close spelling in its own."""
+    *parents, key = loc
+    sections = _sections()
+    if len(parents) == 1 and parents[0] in sections:
+        known = list(sections[parents[0]].model_fields)
+        elsewhere = [f"{name}.{key}" for name, model in sections.items() if key in model.model_fields]
+    elif not parents:
+        known, elsewhere = list(JobConfig.model_fields), []
+    else:
+        return ""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    guess = elsewhere[0] if elsewhere else ".".join([*parents, close[0]]) if close else None
+    return f"; did you mean {guess}?" if guess else ""
 
 
 def redacted(config: JobConfig) -> dict[str, Any]:
     """The config as plain JSON-able data, safe for logs, _job.json and error messages."""
-    return _redact(config.model_dump(mode="json"))
+    return redact(config.model_dump(mode="json"))
 
 
-def _redact(value: Any, key: str = "") -> Any:
-    if is_secret_key(key) and value is not None and not isinstance(value, (bool, int, float)):
-        return REDACTED  # numbers under such keys (max_new_tokens) are settings, not secrets
+def redact(value: Any, key: str = "") -> Any:
+    """Plain data with every secret replaced by *** and passwords taken out of URLs."""
+    if is_secret(key, value):
+        return REDACTED
     if isinstance(value, dict):
-        return {k: _redact(v, str(k)) for k, v in value.items()}
+        return {k: redact(v, str(k)) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redact(v) for v in value]
+        return [redact(v) for v in value]
     if isinstance(value, str):
         return safe_url(value)
     return value

@@ -13,14 +13,18 @@ from typing import Any
 import torch
 
 from workers.config import JobConfig, SpeculationConfig
+from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.controller import AdaptiveK, Controller, FixedK
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import Drafter, NoDrafter
 from workers.engine.generator import GenerationSettings, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
+from workers.engine.mtp_drafter import MTPDrafter
 from workers.engine.ngram_drafter import NgramDrafter
 from workers.engine.sampling import SamplingParams
+from workers.engine.suffix_drafter import SuffixDrafter
 from workers.models import load_model, load_tokenizer
+from workers.mtp_head import MTPHead, load_head
 
 
 @dataclass
@@ -50,13 +54,21 @@ def _load_draft_model(config: JobConfig, models: Models, device: torch.device) -
     draft = load_model(m.draft, m.dtype, device, options, m.trust_remote_code)
     if load_tokenizer(m.draft, options, m.trust_remote_code).get_vocab() != models.tokenizer.get_vocab():
         raise ValueError(f"draft model {m.draft} does not share the target's tokenizer ({m.target})")
-    return DecodingModel.prepare(draft)
+    return DecodingModel.prepare(draft, compile=m.compile)
+
+
+def _load_mtp_head(config: JobConfig, models: Models, device: torch.device) -> MTPHead:
+    """The head at model.draft, checked against the target (hidden size, vocabulary) before any generation."""
+    return load_head(config.model.draft, models.target.model, config.input.storage_options)
 
 
 register_drafter("none", DrafterKind(lambda models, spec, sampling: NoDrafter()))
 register_drafter("ngram", DrafterKind(lambda models, spec, sampling: NgramDrafter(spec.ngram_size)))
 register_drafter("model", DrafterKind(lambda models, spec, sampling: ModelDrafter(models.draft, sampling),
                                       _load_draft_model))
+register_drafter("suffix", DrafterKind(lambda models, spec, sampling: SuffixDrafter(spec.suffix_max_tokens)))
+register_drafter("mtp", DrafterKind(lambda models, spec, sampling: MTPDrafter(models.target, models.draft, sampling),
+                                    _load_mtp_head))
 
 
 def pick_device() -> torch.device:
@@ -66,15 +78,19 @@ def pick_device() -> torch.device:
 def load_models(config: JobConfig, device: torch.device) -> Models:
     """The target (prepared once for decoding) and the tokenizer, then the drafter's weights if it has any."""
     m, options = config.model, config.input.storage_options
-    target = DecodingModel.prepare(load_model(m.target, m.dtype, device, options, m.trust_remote_code))
+    target = DecodingModel.prepare(load_model(m.target, m.dtype, device, options, m.trust_remote_code), compile=m.compile)
     models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code))
-    loader = DRAFTERS[m.drafter].load_draft
-    if loader is not None:
-        models.draft = loader(config, models, device)
+    loaders = [DRAFTERS[name].load_draft for name in m.drafters if DRAFTERS[name].load_draft is not None]
+    if loaders:  # model.draft names one set of weights: at most one drafter kind reads it
+        models.draft = loaders[0](config, models, device)
     return models
 
 
-def make_drafter(name: str, models: Models, speculation: SpeculationConfig, sampling: SamplingParams) -> Drafter:
+def make_drafter(name: str | list[str], models: Models, speculation: SpeculationConfig,
+                 sampling: SamplingParams) -> Drafter:
+    """The drafter a config names; a list composes them in order (see ComposedDrafter)."""
+    if isinstance(name, list):
+        return ComposedDrafter([make_drafter(part, models, speculation, sampling) for part in name])
     return DRAFTERS[name].build(models, speculation, sampling)
 
 
@@ -88,7 +104,8 @@ def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
     sampling = SamplingParams(g.temperature, g.top_k, g.top_p)
     max_k = s.max_k if s.k == "adaptive" else int(s.k)
     settings = GenerationSettings(max_new_tokens=g.max_new_tokens, sampling=sampling, stop=tuple(g.stop),
-                                  batch_size=config.resources.batch_size, max_k=max_k, overlong=config.input.overlong)
+                                  batch_size=config.resources.batch_size, max_k=max_k, overlong=config.input.overlong,
+                                  logprobs=g.logprobs)
     return SpeculativeGenerator(models.target, models.tokenizer, make_drafter(config.model.drafter, models, s, sampling),
                                 make_controller(s.k, max_k, config.resources.batch_size), settings)
 

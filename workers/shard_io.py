@@ -26,9 +26,6 @@ from fsspec import AbstractFileSystem
 from workers.config import InputConfig, template_fields
 from workers.storage import join, on_storage, safe_url, write_bytes_atomic
 
-KIND_BY_SUFFIX: dict[str, Literal["parquet", "jsonl"]] = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
-
-
 class InputError(ValueError):
     """The input cannot be used as configured; the message names the file and the column."""
 
@@ -57,14 +54,6 @@ class InputRow:
 
 class _BadRow(ValueError):
     """A problem confined to one row."""
-
-
-def kind_of(url: str) -> Literal["parquet", "jsonl"] | None:
-    """The input format a file name announces, or None when it is not an input file."""
-    for suffix, kind in KIND_BY_SUFFIX.items():
-        if url.lower().endswith(suffix):
-            return kind
-    return None
 
 
 def check_columns(

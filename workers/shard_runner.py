@@ -14,9 +14,9 @@ import pyarrow as pa
 import torch
 
 from workers.config import JobConfig
-from workers.engine.generator import Completion, GenerationStats, Request
+from workers.engine.generator import Completion, Request
 from workers.registry import Models, encode_prompt, load_models, make_generator, pick_device
-from workers.schemas import output_schema
+from workers.schemas import ShardStats, output_schema
 from workers.shard_io import InputRow, ShardSpec, read_shard, write_shard_output
 from workers.storage import join, write_bytes_atomic
 
@@ -66,9 +66,9 @@ class ShardRunner:
                     requests.append(Request(f"{row.id}/{sample}", ids, seed))
         return requests, slots
 
-    def run(self, spec: ShardSpec, attempt: int = 1) -> dict:
-        """Generate a shard, commit its output atomically, write its stats part, and return the stats row."""
-        started = time.perf_counter()
+    def run(self, spec: ShardSpec, attempt: int = 1, run_id: str = "") -> ShardStats:
+        """Generate a shard, commit its output atomically, write its stats part, and return its stats."""
+        started_at, started = time.time(), time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         rows = read_shard(spec, self.config.input, self.config.output.keep_columns)
@@ -77,9 +77,13 @@ class ShardRunner:
         table = self._table(slots, iter(result.completions))
         out = self.config.output
         write_shard_output(out.path, spec.shard_id, table, out.storage_options)
-        stats = self._stats(spec, result.stats, table, time.perf_counter() - started, attempt)
+        stats = ShardStats.from_generation(
+            result.stats, table.column("finish_reason").to_pylist(),
+            shard_id=spec.shard_id, worker_id=self.worker_id, node=platform.node(), device=str(self.device),
+            run_id=run_id, attempt=attempt, started_at=started_at, finished_at=time.time(),
+            wall_s=time.perf_counter() - started, peak_mem_bytes=_peak_memory(self.device))
         write_bytes_atomic(join(out.path, "stats", "parts", f"{spec.shard_id}.json"),
-                           json.dumps(stats).encode(), out.storage_options)
+                           json.dumps(stats.to_dict()).encode(), out.storage_options)
         return stats
 
     def _table(self, slots, completions) -> pa.Table:
@@ -93,26 +97,14 @@ class ShardRunner:
                             "finish_reason": done.finish_reason, "error": done.error, "seed": seed,
                             "prompt_tokens": done.prompt_tokens, "target_passes": done.target_passes,
                             "drafted_tokens": done.drafted_tokens, "accepted_tokens": done.accepted_tokens,
-                            "drafter": None if done.error else self.config.model.drafter, **row.keep})
+                            "drafter": None if done.error else self.generator.drafter.name,
+                            "logprobs": done.logprobs,
+                            "top_logprobs": None if done.top_logprobs is None else
+                            [[{"token_id": t, "logprob": lp} for t, lp in position] for position in done.top_logprobs],
+                            **row.keep})
         keep = self.config.output.keep_columns
         keep_fields = [pa.field(c, pa.array([r[c] for r in records]).type if records else pa.null()) for c in keep]
         return pa.Table.from_pylist(records, schema=output_schema(keep_fields))
-
-    def _stats(self, spec: ShardSpec, s: GenerationStats, table: pa.Table, wall: float, attempt: int) -> dict:
-        failed = sum(1 for r in table.column("finish_reason").to_pylist() if r == "error")
-        return {
-            "shard_id": spec.shard_id, "worker_id": self.worker_id, "node": platform.node(),
-            "device": str(self.device), "rows": table.num_rows, "prompt_tokens": s.prompt_tokens,
-            "generated_tokens": s.generated_tokens, "wall_s": wall,
-            "tokens_per_s": s.generated_tokens / wall if wall else 0.0,
-            "target_passes": s.target_passes, "draft_passes": s.draft_passes,
-            "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-            "acceptance_rate": s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0,
-            "mean_accepted_per_pass": s.generated_tokens / s.target_passes if s.target_passes else 0.0,
-            "accept_by_position": [None if a != a else a for a in s.accept_by_position],
-            "k_hist": [int(c) for c in s.k_hist], "draft_s": s.draft_s, "verify_s": s.verify_s,
-            "peak_mem_bytes": _peak_memory(self.device), "attempt": attempt, "failed_rows": failed,
-        }
 
 
 def _peak_memory(device: torch.device) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import logging
 import os
 import random
@@ -17,7 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -77,6 +78,11 @@ DEFAULT_RETRY = RetryPolicy()
 def safe_url(text: str) -> str:
     """Text with user:password@ removed from any URL in it, so that it can be shown."""
     return _USERINFO.sub(r"\1***@", text)
+
+
+def is_remote(url: str) -> bool:
+    """Whether a URL names object storage or another remote filesystem (s3://, gs://, ...), not a local path."""
+    return "://" in url and not url.startswith("file://")
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
@@ -257,3 +263,43 @@ def list_files(
 def _listed(path: str, suffixes: tuple[str, ...] | None) -> bool:
     name = path.rstrip("/").rsplit("/", 1)[-1]
     return not name.startswith((".", "_")) and (suffixes is None or name.lower().endswith(suffixes))
+
+
+@dataclass
+class Store:
+    """A folder in storage with its options bound once (a job's output folder); files are named by parts."""
+
+    root: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def url(self, *parts: str) -> str:
+        return join(self.root, *parts)
+
+    def read(self, *parts: str) -> bytes:
+        return read_bytes(self.url(*parts), self.options)
+
+    def write(self, data: bytes, *parts: str) -> None:
+        write_bytes_atomic(self.url(*parts), data, self.options)
+
+    def exists(self, *parts: str) -> bool:
+        return exists(self.url(*parts), self.options)
+
+    def list(self, *parts: str, suffixes: Iterable[str] | None = None) -> list[str]:
+        return list_files(self.url(*parts), self.options, suffixes)
+
+    def read_json(self, *parts: str) -> Any:
+        """The parsed JSON file, or None when there is none."""
+        return json.loads(self.read(*parts)) if self.exists(*parts) else None
+
+    def write_json(self, data: Any, *parts: str) -> None:
+        self.write(json.dumps(data, indent=2, default=str).encode(), *parts)
+
+    def delete(self, *parts: str) -> None:
+        """Remove a file or a folder (recursively); nothing to do when it is absent."""
+        if self.exists(*parts):
+            self.apply(lambda fs, path: fs.rm(path, recursive=True), "delete", *parts)
+
+    def apply(self, fn: Callable[[AbstractFileSystem, str], T], what: str, *parts: str) -> T:
+        """fn(fs, path) for a file or folder of the store, with retries (see on_storage)."""
+        return on_storage(self.url(*parts), self.options, fn, what)
+

@@ -28,6 +28,7 @@ class _Strict(BaseModel):
 class BenchModelConfig(_Strict):
     target: str = DEMO_MODEL
     draft: str | None = None     # a draft model sharing the tokenizer: transformers' assisted generation and `model`
+    mtp_head: str | None = None  # a head from `specbatch distill` for this target: the `mtp` drafter's model.draft
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -93,11 +94,12 @@ def job_config(cfg: BenchConfig, drafter: str, k: int | str, batch_size: int, ma
                input_path: str = "bench", output_path: str = "bench-out", rows_per_shard: int = 256) -> JobConfig:
     """The job a user would write for these settings; the bench's generators and pipeline row are built from it."""
     m = cfg.model
+    draft = m.mtp_head if drafter == "mtp" else m.draft
     return JobConfig.model_validate({
         "name": "bench",
         "input": {"path": input_path, "messages_column": "messages", "id_column": "id"},
         "output": {"path": output_path},
-        "model": {"target": m.target, "dtype": m.dtype, "drafter": drafter, **({"draft": m.draft} if m.draft else {})},
+        "model": {"target": m.target, "dtype": m.dtype, "drafter": drafter, **({"draft": draft} if draft else {})},
         "generation": {"max_new_tokens": max_new_tokens or cfg.max_new_tokens, "temperature": 0.0},
         "speculation": {"k": k, "max_k": cfg.max_k if k == "adaptive" else int(k), "ngram_size": cfg.ngram_size},
         "resources": {"workers": 1, "cpus_per_worker": float(os.cpu_count() or 1), "batch_size": batch_size},
@@ -133,7 +135,7 @@ def load_bench_config(source: str | Path | dict, quick: bool = False, split: str
         if "suite" in data:
             data["suite"] = _against(folder, data["suite"])
         if isinstance(data.get("model"), dict):
-            data["model"] = {key: _against(folder, value) if key in ("target", "draft") else value
+            data["model"] = {key: _against(folder, value) if key in ("target", "draft", "mtp_head") else value
                              for key, value in data["model"].items()}
     quick_section = data.pop("quick", None) or {}
     if quick:

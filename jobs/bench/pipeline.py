@@ -60,7 +60,7 @@ def run_pipeline(cfg: BenchConfig, models: BenchModels, workloads: dict[str, lis
         shard_stats = pq.read_table(Path(tmp) / "ray" / "stats" / "shards.parquet").to_pylist()
         ray_good = _output_matches(Path(tmp) / "ray", by_id, references)
 
-    direct_tokens = sum(s["generated_tokens"] for s in direct_stats)
+    direct_tokens = sum(s.generated_tokens for s in direct_stats)
     direct_rate = direct_tokens / direct_wall
     in_shards = sum(s["wall_s"] for s in shard_stats)
     common = {"section": "pipeline", "workload": p.workload, "batch_size": p.batch_size, "family": SPECBATCH,
@@ -69,11 +69,12 @@ def run_pipeline(cfg: BenchConfig, models: BenchModels, workloads: dict[str, lis
               "rows_checked": checked}
     direct_row = {**common, "system": "ShardRunner alone", "tokens_per_s": direct_rate, "generated_tokens": direct_tokens,
                   "wall_s": direct_wall, "rows_matching": direct_good, "ratio_vs_direct": 1.0}
-    ray_row = {**common, "system": "specbatch job on Ray (run_job)", "tokens_per_s": summary["tokens_per_s"],
-               "generated_tokens": summary["generated_tokens"], "wall_s": summary["wall_s"],
-               "steady_tokens_per_s": summary["generated_tokens"] / in_shards if in_shards else None,
-               "startup_s": summary["wall_s"] - in_shards, "rows_matching": ray_good,
-               "ratio_vs_direct": summary["tokens_per_s"] / direct_rate if direct_rate else None}
+    run = summary["this_run"]
+    ray_row = {**common, "system": "specbatch job on Ray (run_job)", "tokens_per_s": run["tokens_per_s"],
+               "generated_tokens": run["generated_tokens"], "wall_s": run["wall_s"],
+               "steady_tokens_per_s": run["generated_tokens"] / in_shards if in_shards else None,
+               "startup_s": run["wall_s"] - in_shards, "rows_matching": ray_good,
+               "ratio_vs_direct": run["tokens_per_s"] / direct_rate if direct_rate else None}
     ray_row["steady_ratio_vs_direct"] = (ray_row["steady_tokens_per_s"] or 0) / direct_rate if direct_rate else None
     log(f"pipeline: Ray {ray_row['tokens_per_s']:.1f} tok/s end to end ({ray_row['startup_s']:.1f} s outside shards), "
         f"ShardRunner alone {direct_rate:.1f} tok/s: ratio {ray_row['ratio_vs_direct']:.2f}")

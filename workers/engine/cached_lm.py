@@ -11,26 +11,52 @@ from workers.engine.decoding_model import DecodingModel
 from workers.engine.kv_cache import SlotCache
 
 
-class CachedLM:
-    def __init__(self, model: DecodingModel, max_rows: int, capacity: int):
-        self.model = model
+class SlotRows:
+    """Per-slot cached lengths over a SlotCache: where each row's next tokens go and what they may see.
+    CachedLM runs the target over it, the MTP drafter its head."""
+
+    def __init__(self, max_rows: int, capacity: int, device: torch.device, dtype: torch.dtype):
         self.cache = SlotCache(max_rows, capacity)
         self.lengths = torch.zeros(max_rows, dtype=torch.long)
+        self.device, self.dtype = device, dtype
+
+    def place(self, n: int, q: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Point the cache at q new entries per row for slots start..start+n-1, after each row's cached
+        length; returns their positions (n, q) and the additive mask (n, 1, q, kv_len) on device, or None
+        when none is needed (one new token per row, every row as long as the others)."""
+        lengths = self.lengths[start : start + n]
+        shortest, longest = int(lengths.min()), int(lengths.max())
+        positions = (lengths.unsqueeze(1) + torch.arange(q)).to(self.device)   # (n, q)
+        cache = self.cache
+        cache.rows, cache.write_positions, cache.kv_len = slice(start, start + n), positions, longest + q
+        cache.write_start = shortest if shortest == longest else None
+        return positions, None if q == 1 and shortest == longest else self._mask(positions, longest + q)
+
+    def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Additive (n, 1, q, kv_len) mask over the live length only: each query sees its row's cache up to itself."""
+        visible = torch.arange(kv_len, device=positions.device).view(1, 1, kv_len) <= positions.unsqueeze(-1)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=positions.device)
+        return mask.masked_fill_(~visible, torch.finfo(self.dtype).min).unsqueeze(1)
+
+    def advance(self, counts: torch.Tensor, start: int = 0) -> None:
+        self.lengths[start : start + len(counts)] += counts
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int) -> None:
+        self.cache.move(src, dst, int(self.lengths[src]))
+        self.lengths[dst] = self.lengths[src]
+
+
+class CachedLM(SlotRows):
+    def __init__(self, model: DecodingModel, max_rows: int, capacity: int):
+        super().__init__(max_rows, capacity, model.device, model.dtype)
+        self.model = model
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Feed `tokens` (n, q) to slots start..start+n-1; returns their final hidden states (n, q, hidden)."""
-        n, q = tokens.shape
-        lengths = self.lengths[start : start + n]
-        positions = lengths.unsqueeze(1) + torch.arange(q)                      # (n, q)
-        kv_len = int(lengths.max()) + q
-        visible = torch.arange(kv_len).view(1, 1, kv_len) <= positions.unsqueeze(-1)  # (n, q, kv_len)
-        dtype = self.model.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        positions = positions.to(self.model.device)
-        self.cache.rows, self.cache.write_positions, self.cache.kv_len = slice(start, start + n), positions, kv_len
-        return self.model.decode(tokens.to(self.model.device), positions, mask.unsqueeze(1).to(self.model.device),
-                                 self.cache)
+        positions, mask = self.place(*tokens.shape, start)
+        return self.model.decode(tokens.to(self.device), positions, mask, self.cache)
 
     def logits(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """fp32 next-token logits (n, q, vocab) after feeding `tokens` (n, q)."""
@@ -48,11 +74,3 @@ class CachedLM:
             hidden = self.forward(torch.tensor(pad), start)
         self.lengths[start : start + len(prompts)] = torch.tensor([len(p) - 1 for p in prompts])
         return hidden
-
-    def advance(self, counts: torch.Tensor, start: int = 0) -> None:
-        self.lengths[start : start + len(counts)] += counts
-
-    @torch.inference_mode()
-    def move(self, src: int, dst: int) -> None:
-        self.cache.move(src, dst, int(self.lengths[src]))
-        self.lengths[dst] = self.lengths[src]

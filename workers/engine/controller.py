@@ -1,10 +1,12 @@
-"""Choosing the draft length k from measured acceptance and measured cost.
+"""Choosing each row's draft length from measured acceptance and measured cost.
 
-Expected tokens per verify pass for a row with per-position acceptance a_1..a_k is
-E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i (Leviathan et al. 2023). The batch's k maximises
-sum_rows E_row(k) / (k * t_draft(n) + t_verify(n, k + 1)), with costs learnt online. k = 0 is plain
-decoding and wins whenever drafting does not pay. The batch shares one k because a verify pass
-costs its widest row anyway; per-row acceptance decides how much that width is worth.
+Per row and position the controller learns how likely the drafter is to reach the position and the
+target to accept it (workers/engine/acceptance.py); costs are learnt online (verify time by rows and
+width, draft time per column). Each step it offers every row the draft length that maximises the
+batch's predicted tokens per second (workers/engine/offers.py): a verify pass costs its widest row,
+so a row that copies drafts long while its neighbours draft short or nothing. k = 0 for every row is
+plain decoding and wins whenever drafting does not pay. For drafters that report their confidence it
+also sets the confidence stop (workers/engine/draft_stop.py) at the same predicted rate.
 """
 from __future__ import annotations
 
@@ -13,29 +15,39 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workers.engine.acceptance import ACCEPT, Estimates, trials
+from workers.engine.draft_stop import DraftStop
+from workers.engine.offers import best_offers, pass_rates
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class StepRecord:
     """What one decoding step did, as the generator saw it."""
-    k: int                      # draft length offered to every row
-    offered: np.ndarray         # (n,) positions offered per row: min(k, row's remaining budget)
+    offered: np.ndarray         # (n,) positions offered per row (the controller's offer capped by the row's budget)
+    drafted: np.ndarray         # (n,) drafts proposed per row
     accepted: np.ndarray        # (n,) drafts accepted per row
     width: int                  # tokens per row in the verify pass (1 + longest draft)
     draft_s: float
     verify_s: float
+    confidence: np.ndarray | None = None  # (n, >= longest draft): the drafter's probability of each draft
 
 
 class Controller:
-    """Base class: `choose` the draft length for the next step; the hooks feed it what happened and keep
-    per-slot state in step with the live batch (no-ops here)."""
+    """Base class: `choose` each row's draft length for the next step; the hooks feed it what happened
+    and keep per-slot state in step with the live batch (no-ops here)."""
 
-    def choose(self, n_rows: int) -> int:
+    def choose(self, n_rows: int) -> np.ndarray:
+        """(n_rows,) ints: the positions each row may draft."""
         raise NotImplementedError
 
+    def draft_stop(self) -> DraftStop | None:
+        """The confidence stop for the offers just chosen (None: drafts run to their offers)."""
+        return None
+
     def observe(self, step: StepRecord) -> None:
-        """What the step that used the chosen k did."""
+        """What the step that used the chosen offers did."""
 
     def admit(self, start: int, count: int) -> None:
         """`count` new rows enter slots start.."""
@@ -48,32 +60,27 @@ class FixedK(Controller):
     def __init__(self, k: int):
         self.k = k
 
-    def choose(self, n_rows: int) -> int:
-        return self.k
-
-
-def expected_tokens(alpha: np.ndarray, k: int) -> np.ndarray:
-    """E(k) per row for per-position acceptance `alpha` (rows, max_k)."""
-    return 1.0 + np.cumprod(alpha[:, :k], axis=1).sum(axis=1)
+    def choose(self, n_rows: int) -> np.ndarray:
+        return np.full(n_rows, self.k)
 
 
 class CostModel:
     """Verify time by (rows, width) from measured cell means, interpolated between measured widths and
     extended past them along the last measured slope; a least-squares fit t = a + b*n + c*n*w covers
-    row counts not measured yet. Draft time per drafted position is a running mean. A test may inject
+    row counts not measured yet. Draft time per drafted column is a running mean. A test may inject
     any object with the same observe / verify / draft methods."""
 
     def __init__(self):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
         self.coef = np.array([1.0, 0.0, 0.1])
-        self.draft_per_token = 0.0
+        self.draft_per_column = 0.0
 
-    def observe(self, n: int, width: int, verify_s: float, k: int, draft_s: float) -> None:
+    def observe(self, n: int, width: int, verify_s: float, columns: int, draft_s: float) -> None:
         mean, count = self.cells.get((n, width), (0.0, 0))
         weight = 1.0 / min(count + 1, 20)  # a running mean that keeps adapting to the machine
         self.cells[(n, width)] = (mean + weight * (verify_s - mean), count + 1)
-        if k:
-            self.draft_per_token += 0.1 * (draft_s / k - self.draft_per_token)
+        if columns:
+            self.draft_per_column += 0.1 * (draft_s / columns - self.draft_per_column)
         if len({w for _, w in self.cells}) > 1 or len(self.cells) > 2:
             keys = list(self.cells)
             x = np.array([[1.0, n, n * w] for n, w in keys])
@@ -98,78 +105,80 @@ class CostModel:
         anchor = -1 if width > widths[-1] else 0
         return max(1e-9, float(times[anchor] + slope * (width - widths[anchor])))
 
-    def draft(self, n: int, k: int) -> float:
-        return self.draft_per_token * k
+    def draft(self, n: int, columns: int) -> float:
+        return self.draft_per_column * columns
 
 
 class AdaptiveK(Controller):
-    """Per-row acceptance per position and online costs -> the k with the most tokens per second.
-
-    Acceptance is counted, not averaged: decayed hits / tries per position over a prior worth a few
-    tries. It learns from the first few steps of a row, steadies as tries accumulate, and forgets (every
-    step multiplies the counts by `decay`), so what is no longer measured drifts back to the prior and
-    gets measured again. A row's prior is the worker's acceptance, a worker's prior is `prior`.
-    Hysteresis keeps k unless another value is predicted `margin` better; every `explore_every` steps it
-    tries one position more than it would, so speculation comes back after a k = 0 phase.
-    """
+    """Per-row offers with the most predicted tokens per second, held until another plan is predicted
+    `margin` better (so noise does not flap them). A row's prior is the worker's estimates, a worker's
+    prior is `prior`. Where no row has tried position 1 for `explore_every` steps (a draft model at k = 0
+    gets no free guesses), every row is offered one position, so speculation can come back."""
 
     def __init__(self, max_k: int, max_rows: int, costs: CostModel | None = None, prior: float = 0.6,
-                 row_decay: float = 0.97, worker_decay: float = 0.99, prior_tries: float = 2.0,
-                 margin: float = 0.03, explore_every: int = 16):
-        self.max_k, self.costs, self.prior, self.prior_tries = max_k, costs or CostModel(), prior, prior_tries
-        self.row_decay, self.worker_decay, self.margin, self.explore_every = row_decay, worker_decay, margin, explore_every
-        self.worker_hits, self.worker_tries = np.zeros(max_k), np.zeros(max_k)
-        self.row_hits, self.row_tries = np.zeros((max_rows, max_k)), np.zeros((max_rows, max_k))
-        self.k, self.steps = max_k, 0
+                 row_decays: tuple[float, ...] = (0.7, 0.98), row_prior_tries: tuple[float, ...] = (0.5, 2.0),
+                 worker_decay: float = 0.99, share: float = 0.03, margin: float = 0.02, explore_every: int = 16):
+        self.max_k, self.costs, self.prior, self.margin, self.explore_every = max_k, costs or CostModel(), prior, margin, explore_every
+        self.rows = Estimates(max_rows, max_k, row_decays, row_prior_tries, share)
+        self.worker = Estimates(1, max_k, (worker_decay,), (row_prior_tries[-1],))
+        self.held = np.zeros(max_rows, dtype=int)
+        self.unprobed = 0                         # steps since any row tried position 1
+        self.confidence = np.array([1.0, 1.0])    # decayed (accepted drafts, summed draft confidence)
+        self.stop: DraftStop | None = None
 
-    @property
-    def worker_alpha(self) -> np.ndarray:
-        """Each position's prior is the position before it (acceptance rarely drops along a copied span),
-        so positions not tried yet are judged by the last ones that were."""
-        alpha, prior = np.empty(self.max_k), self.prior
-        for i in range(self.max_k):
-            alpha[i] = prior = (self.worker_hits[i] + prior * self.prior_tries) / (self.worker_tries[i] + self.prior_tries)
-        return alpha
+    def worker_estimates(self) -> np.ndarray:
+        """(2, max_k): the worker's reach and accept estimates per position."""
+        return self.worker.mixed(1, np.full(2, self.prior))[0]
 
-    def row_alpha(self, n_rows: int) -> np.ndarray:
-        hits, tries = self.row_hits[:n_rows], self.row_tries[:n_rows]
-        return (hits + self.worker_alpha * self.prior_tries) / (tries + self.prior_tries)
+    def model(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(gain, reach), each (n, max_k): the probability that row r's draft is accepted up to position
+        j, and that it reaches position j."""
+        est = self.rows.mixed(n, self.worker_estimates()[:, 0])
+        reach = np.cumprod(est[:, 0], axis=1)
+        return reach * np.cumprod(est[:, ACCEPT], axis=1), reach
 
-    def rate(self, n_rows: int, k: int) -> float:
-        """Predicted generated tokens per second for the first n rows at draft length k."""
-        gain = expected_tokens(self.row_alpha(n_rows), k).sum()
-        return gain / (self.costs.draft(n_rows, k) + self.costs.verify(n_rows, k + 1))
+    def pass_costs(self, n: int) -> tuple[float, np.ndarray]:
+        """Seconds of a pass of width 1, and (max_k,) seconds each further column adds (verify width + draft)."""
+        verify = np.array([self.costs.verify(n, w) for w in range(1, self.max_k + 2)])
+        return float(verify[0]), np.maximum(np.diff(verify), 0.0) + self.costs.draft(n, 1)
 
-    def choose(self, n_rows: int) -> int:
-        self.steps += 1
+    def choose(self, n_rows: int) -> np.ndarray:
         if self.max_k == 0:
-            return 0
-        rates = np.array([self.rate(n_rows, k) for k in range(self.max_k + 1)])
-        best = int(rates.argmax())
-        if rates[best] > rates[self.k] * (1 + self.margin):
-            self.k = best
-        chosen = min(self.k + 1, self.max_k) if self.steps % self.explore_every == 0 else self.k
-        # Costs are logged through the cost model's interface only, so any object of its shape can be injected.
-        log.debug("alpha=%s verify(n, k+1)=%.3gs draft(n, k)=%.3gs rates=%s -> k=%d",
-                  np.round(self.worker_alpha, 2), self.costs.verify(n_rows, chosen + 1),
-                  self.costs.draft(n_rows, chosen), np.round(rates, 1), chosen)
+            return np.zeros(n_rows, dtype=int)
+        gain, reach = self.model(n_rows)
+        base, column = self.pass_costs(n_rows)
+        offers, rate = best_offers(gain, reach, base, column)
+        held_rate = float(pass_rates(self.held[:n_rows], gain, reach, base, column))
+        if rate > held_rate * (1 + self.margin):
+            self.held[:n_rows], held_rate = offers, rate
+        chosen = self.held[:n_rows].copy()
+        if self.unprobed >= self.explore_every and not chosen.any():
+            chosen[:] = 1
+        calibration = self.confidence[0] / self.confidence[1]
+        self.stop = DraftStop(held_rate * column, calibration)
+        log.debug("gain=%s base=%.3gs column=%s -> offers=%s (%.1f tok/s)", np.round(gain.sum(0), 2), base,
+                  np.round(column, 4), chosen, held_rate)
         return chosen
+
+    def draft_stop(self) -> DraftStop | None:
+        return self.stop
 
     def observe(self, step: StepRecord) -> None:
         n = len(step.offered)
-        self.costs.observe(n, step.width, step.verify_s, step.k, step.draft_s)
-        tried = np.minimum(step.offered, step.accepted + 1)
-        positions = np.arange(self.max_k)
-        tries = (positions < tried[:, None]).astype(float)
-        hits = (positions < step.accepted[:, None]).astype(float)
-        self.row_hits[:n] = self.row_hits[:n] * self.row_decay + hits
-        self.row_tries[:n] = self.row_tries[:n] * self.row_decay + tries
-        self.worker_hits = self.worker_hits * self.worker_decay + hits.sum(0)
-        self.worker_tries = self.worker_tries * self.worker_decay + tries.sum(0)
+        self.costs.observe(n, step.width, step.verify_s, step.width - 1, step.draft_s)
+        hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
+        self.rows.observe(hits, tries, self.worker_estimates()[:, 0])
+        self.worker.observe(hits.sum(0, keepdims=True), tries.sum(0, keepdims=True), np.full(2, self.prior))
+        self.unprobed = 0 if tries[:, :, 0].any() else self.unprobed + 1
+        if step.confidence is not None:
+            tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool)
+            seen = np.array([hits[:, ACCEPT, : step.confidence.shape[1]][tried].sum(), step.confidence[tried].sum()])
+            self.confidence = 0.99 * self.confidence + seen
 
     def admit(self, start: int, count: int) -> None:
-        self.row_hits[start : start + count] = 0.0
-        self.row_tries[start : start + count] = 0.0
+        self.rows.reset(start, count)
+        self.held[start : start + count] = self.held[:start].max(initial=0)
 
     def move(self, src: int, dst: int) -> None:
-        self.row_hits[dst], self.row_tries[dst] = self.row_hits[src], self.row_tries[src]
+        self.rows.move(src, dst)
+        self.held[dst] = self.held[src]

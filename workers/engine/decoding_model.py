@@ -13,25 +13,21 @@ from transformers import PreTrainedModel
 
 from workers.engine.fused_decoder import FusedDecoder
 from workers.engine.kv_cache import SlotCache
+from workers.engine.linear import Linear, linear
 
 
 @dataclass
 class DecodingModel:
     model: PreTrainedModel             # the source model: config, generation config, embeddings, fallback decoder
     fused: FusedDecoder | None         # None: run transformers' own decoder modules
-    head_weight: torch.Tensor          # (hidden, vocab)
-    head_bias: torch.Tensor | None
+    head: Linear                       # the LM head: hidden -> vocab
 
     @classmethod
-    def prepare(cls, model: PreTrainedModel) -> DecodingModel:
-        """On CPU the head is a contiguous (hidden, vocab) copy: GEMV against it streams much faster than
-        F.linear on the (vocab, hidden) embedding it is usually tied to."""
+    def prepare(cls, model: PreTrainedModel, compile: bool = False) -> DecodingModel:
+        """`compile`: torch.compile the fused decoder's layers (no effect where the fused decoder does not apply)."""
         head = model.get_output_embeddings()
-        weight = head.weight.detach().t()
-        weight = weight.contiguous() if weight.device.type == "cpu" else weight
-        bias = None if getattr(head, "bias", None) is None else head.bias.detach()
-        fused = FusedDecoder(model) if FusedDecoder.supports(model) else None
-        return cls(model.eval(), fused, weight, bias)
+        fused = FusedDecoder(model, compile) if FusedDecoder.supports(model) else None
+        return cls(model.eval(), fused, Linear.of(head.weight, getattr(head, "bias", None)))
 
     @property
     def config(self):
@@ -39,24 +35,33 @@ class DecodingModel:
 
     @property
     def device(self) -> torch.device:
-        return self.head_weight.device
+        return self.model.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.head_weight.dtype
+        return self.model.dtype
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head as a (hidden, vocab) matrix (drafters that reuse the target's head read it)."""
+        head = self.head
+        return head.plain if head.plain is not None else self.model.get_output_embeddings().weight.detach().t()
 
     @property
     def embed(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """tokens, positions (n, q) on device; mask (n, 1, q, kv_len) additive -> final hidden (n, q, hidden)."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+               cache: SlotCache) -> torch.Tensor:
+        """tokens, positions (n, q) on device; mask (n, 1, q, kv_len) additive, None when every query sees every
+        cached position -> final hidden (n, q, hidden)."""
         if self.fused is not None:
             return self.fused(tokens, positions, mask, cache)
+        if mask is None:  # transformers would build a causal mask of its own from the cache length
+            mask = torch.zeros(*tokens.shape[:1], 1, tokens.shape[1], cache.kv_len, dtype=self.dtype, device=self.device)
         return self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
                                         use_cache=True).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (..., vocab) for hidden states (..., hidden)."""
-        out = hidden @ self.head_weight
-        return (out if self.head_bias is None else out + self.head_bias).float()
+        return linear(hidden, self.head).float()

@@ -6,9 +6,11 @@ overrides only the hooks it needs (the base class's are no-ops).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from workers.engine.draft_stop import DraftStop
 
 
 @dataclass
@@ -21,6 +23,8 @@ class Row:
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
+    logprobs: list[float] = field(default_factory=list)                    # per generated token, when asked
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -32,6 +36,9 @@ class Proposal:
     tokens: torch.Tensor                 # (n, k) long; entries past a row's length are padding
     lengths: torch.Tensor                # (n,) long: drafts proposed per row (0..k)
     probs: torch.Tensor | None = None    # (n, k, vocab) when drafts were sampled from a distribution
+    confidence: torch.Tensor | None = None  # (n, k): the drafter's probability of each draft, when it knows it
+    passes: int | None = None            # draft forward passes taken, when not passes_per_token * k
+    source: torch.Tensor | None = None   # (n,) long: which of a composed drafter's parts served each row (-1: none)
 
 
 def pack(drafts: list[list[int]], k: int) -> Proposal:
@@ -64,6 +71,11 @@ class Drafter:
 
     def retire(self, row: Row) -> None:
         """A row finished; a drafter that learns from the job's outputs reads it here."""
+
+    def limit(self, stop: DraftStop | None) -> None:
+        """Before each `propose`: the confidence stop the next proposal may end at. A drafter that drafts
+        position by position and knows its confidence stops early (saving passes); others report
+        `confidence` and the generator cuts their drafts after the fact."""
 
     def propose(self, rows: list[Row], k: int, caps: list[int]) -> Proposal:
         """Up to min(k, caps[i]) draft tokens for each row."""

@@ -2,60 +2,85 @@
 transformers' modules with four matmuls per layer (fused QKV, fused gate/up) and no module overhead.
 
 Decoding at small batch is dominated by per-op overhead and GEMV bandwidth, so fewer, larger matmuls
-against contiguous (in, out) weights pay off. The fused weights are this object's own copies: the
+against weights laid out for their kernel (workers/engine/linear.py) pay off. The fused weights are this object's own copies: the
 transformers model is left untouched (a caller that keeps only the FusedDecoder frees the originals).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 from workers.engine.kv_cache import SlotCache
+from workers.engine.linear import Linear, linear
 
 SUPPORTED = {"llama", "qwen2"}
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One contiguous (in, sum(out)) weight, and the concatenated bias when every Linear has one."""
-    fused = torch.cat([m.weight.detach() for m in linears], 0).t().contiguous()
+def _fuse(linears: list[torch.nn.Linear]) -> Linear:
+    """One Linear over the concatenated outputs, with the concatenated bias when every part has one."""
+    weight = torch.cat([m.weight.detach() for m in linears], 0)
     biases = [m.bias for m in linears]
-    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    return fused, bias
+    return Linear.of(weight, torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None)
 
 
-@dataclass
-class _Layer:
+class _Layer(NamedTuple):
     norm1: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     norm2: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: one fused op where the dtype makes it bit-identical (fp32/fp64), else its formula."""
+    if x.dtype in (torch.float32, torch.float64):
+        return torch.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _attention_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: _Layer, heads: int, kv_heads: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, fused QKV, and rotary on query and key heads at once -> query, key, value (n, heads, q, head_dim)."""
+    n, q, _ = h.shape
+    qkv = linear(_rms(h, layer.norm1, eps), layer.qkv).view(n, q, heads + 2 * kv_heads, -1)
+    qk = qkv[:, :, : heads + kv_heads]
+    qk = qk * cos + rotate_half(qk) * sin
+    return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
+
+
+def _attention_out_and_mlp(h: torch.Tensor, attn: torch.Tensor, layer: _Layer, eps: float) -> torch.Tensor:
+    """Output projection and the gated MLP, each added to the residual stream."""
+    n, _, q, _ = attn.shape
+    h = linear(attn.transpose(1, 2).reshape(n, q, -1), layer.o, h)
+    gate, up = linear(_rms(h, layer.norm2, eps), layer.gate_up).chunk(2, -1)
+    return linear(F.silu(gate) * up, layer.down, h)
 
 
 class FusedDecoder:
-    """Runs tokens through the decoder into a SlotCache; returns the final hidden states."""
+    """Runs tokens through the decoder into a SlotCache; returns the final hidden states.
 
-    def __init__(self, model: PreTrainedModel):
+    With `compile`, the two halves of a layer around the cache write and attention are compiled once
+    (weights are arguments, so every layer shares one graph; shapes are dynamic, so rows, width and
+    cache length never recompile) and the elementwise work between matmuls fuses into a few kernels."""
+
+    def __init__(self, model: PreTrainedModel, compile: bool = False):
         cfg, decoder = model.config, model.get_decoder()
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps, self.embed, self.norm, self.rotary = cfg.rms_norm_eps, decoder.embed_tokens, decoder.norm.weight, decoder.rotary_emb
         self.layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-            o, o_bias = _fuse([attn.o_proj])
-            down, _ = _fuse([mlp.down_proj])
-            self.layers.append(_Layer(layer.input_layernorm.weight, qkv, qkv_bias, o, o_bias,
-                                      layer.post_attention_layernorm.weight, gate_up, down))
+            self.layers.append(_Layer(layer.input_layernorm.weight, _fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                      _fuse([attn.o_proj]), layer.post_attention_layernorm.weight,
+                                      _fuse([mlp.gate_proj, mlp.up_proj]), _fuse([mlp.down_proj])))
+        wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
+        self._before_attention, self._after_attention = wrap(_attention_inputs), wrap(_attention_out_and_mlp)
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -64,32 +89,15 @@ class FusedDecoder:
         return (cfg.model_type in SUPPORTED and cfg.hidden_act == "silu" and not getattr(cfg, "mlp_bias", False)
                 and not getattr(cfg, "use_sliding_window", False) and not getattr(cfg, "pretraining_tp", 1) > 1)
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """tokens, positions (n, q); mask (n, 1, q, kv_len) additive -> final hidden states (n, q, hidden)."""
-        n, q = tokens.shape
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                 cache: SlotCache) -> torch.Tensor:
+        """tokens, positions (n, q); mask (n, 1, q, kv_len) additive, None when every query sees every cached
+        position -> final hidden states (n, q, hidden)."""
         h = self.embed(tokens)
-        cos, sin = self.rotary(h, positions)
-        split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        cos, sin = (t.unsqueeze(2) for t in self.rotary(h, positions))           # (n, q, 1, head_dim)
         for index, layer in enumerate(self.layers):
-            x = self._rms(h, layer.norm1)
-            qkv = x @ layer.qkv
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
-            query, key, value = qkv.split(split, -1)
-            query = query.view(n, q, self.heads, self.head_dim).transpose(1, 2)
-            key = key.view(n, q, self.kv_heads, self.head_dim).transpose(1, 2)
-            value = value.view(n, q, self.kv_heads, self.head_dim).transpose(1, 2)
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            query, key, value = self._before_attention(h, cos, sin, layer, self.heads, self.kv_heads, self.eps)
             keys, values = cache.update(key, value, index)
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-            h = h + attn.transpose(1, 2).reshape(n, q, -1) @ layer.o
-            if layer.o_bias is not None:
-                h = h + layer.o_bias
-            x = self._rms(h, layer.norm2)
-            gate, up = (x @ layer.gate_up).chunk(2, -1)
-            h = h + (F.silu(gate) * up) @ layer.down
-        return self._rms(h, self.norm)
+            h = self._after_attention(h, attn, layer, self.eps)
+        return _rms(h, self.norm, self.eps)

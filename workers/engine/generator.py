@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,9 +18,10 @@ from transformers import PreTrainedTokenizerBase
 from workers.engine.cached_lm import CachedLM
 from workers.engine.controller import Controller, StepRecord
 from workers.engine.decoding_model import DecodingModel
+from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import Drafter, Proposal, Row
 from workers.engine.live_batch import LiveBatch
-from workers.engine.sampling import SamplingParams, Verdict, verify_greedy, verify_sampled
+from workers.engine.sampling import SamplingParams, Verdict, token_logprobs, verify_greedy, verify_sampled
 from workers.engine.stats import GenerationStats
 
 
@@ -41,6 +42,8 @@ class Completion:
     target_passes: int = 0          # verify passes this row took part in
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    logprobs: list[float] | None = None                    # per token, when GenerationSettings.logprobs is set
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(kw_only=True)
@@ -51,6 +54,7 @@ class GenerationSettings:
     batch_size: int = 16
     max_k: int = 8
     overlong: str = "truncate"      # truncate (keep the prompt's end) | error
+    logprobs: int | None = None     # None: none; N: each token's log-probability and the N most likely
 
 
 @dataclass
@@ -61,9 +65,14 @@ class GenerationResult:
 
 @dataclass
 class _Plan:
-    k: int                          # the batch's draft length: no row drafts further
-    offered: list[int]              # per row: positions it may draft, min(k, its remaining budget)
-    shadow: list[int] = field(default_factory=list)  # at k = 0: the free one-token guesses (see _draft)
+    offered: list[int]              # per row: positions it may draft, min(its offer, its remaining budget)
+    stop: DraftStop | None          # the confidence stop (drafters that report confidence end drafts early)
+    shadow: list[int]               # when no row drafts: the free one-token guesses (see _draft)
+
+    @property
+    def width(self) -> int:
+        """The longest draft allowed: no row drafts further."""
+        return max(self.offered, default=0)
 
 
 def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -99,6 +108,7 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> GenerationResult:
         """Complete every request."""
+        started = time.perf_counter()
         stats = GenerationStats(self.settings.max_k)
         results: list[Completion | None] = [None] * len(requests)
         runnable = []
@@ -110,6 +120,7 @@ class SpeculativeGenerator:
                 runnable.append((i, Request(request.id, ids, request.seed)))
         if runnable:
             self._run(runnable, results, stats)
+        stats.other_s = time.perf_counter() - started - stats.prefill_s - stats.draft_s - stats.verify_s
         return GenerationResult(results, stats)  # type: ignore[arg-type]
 
     def _run(self, runnable: list[tuple[int, Request]], results: list[Completion | None], stats: GenerationStats) -> None:
@@ -137,36 +148,43 @@ class SpeculativeGenerator:
         verdict, lens, width = self._verify(batch, proposal)
         verified = time.perf_counter()
         accepted = verdict.accepted.tolist()
-        stats.record(plan.k, lens, accepted)
-        stats.draft_passes += plan.k * self.drafter.passes_per_token if proposal is not None else 0
+        stats.record(plan.width, lens, accepted)
+        if proposal is not None:
+            passes = proposal.passes
+            stats.draft_passes += plan.width * self.drafter.passes_per_token if passes is None else passes
         stats.draft_s += drafted - started
         stats.verify_s += verified - drafted
         for row, drafted_len, acc in zip(rows, lens, accepted):
             row.target_passes, row.drafted, row.accepted = row.target_passes + 1, row.drafted + drafted_len, row.accepted + acc
-        offered = plan.offered
+        offered, confidence = plan.offered, None if proposal is None else proposal.confidence
         if shadow is not None:
-            offered = plan.shadow  # a row with no guess missed, as it would have when drafting
+            offered, lens = plan.shadow, shadow.lengths.tolist()  # a row with no guess missed, as when drafting
             accepted = [int(n > 0 and guess[0] == new[0]) for n, guess, new in
-                        zip(shadow.lengths.tolist(), shadow.tokens.tolist(), verdict.tokens)]
-        self.controller.observe(StepRecord(plan.k, np.array(offered), np.array(accepted), width + 1,
-                                           drafted - started, verified - drafted))
+                        zip(lens, shadow.tokens.tolist(), verdict.tokens)]
+        self.controller.observe(StepRecord(np.array(offered), np.array(lens), np.array(accepted), width + 1,
+                                           drafted - started, verified - drafted,
+                                           None if confidence is None else confidence.numpy()))
         self._accept(batch, verdict, results, stats)
 
     def _plan(self, rows: list[Row]) -> _Plan:
-        """The controller's k, capped per row by the tokens it may still generate."""
-        budgets = [self.settings.max_new_tokens - r.generated - 1 for r in rows]
-        chosen = self.controller.choose(len(rows))
-        offered = [max(0, min(chosen, b)) for b in budgets]
-        return _Plan(max(offered, default=0), offered, [min(1, max(0, b)) for b in budgets])
+        """The controller's per-row offers, capped by the tokens each row may still generate."""
+        budgets = np.array([self.settings.max_new_tokens - r.generated - 1 for r in rows]).clip(min=0)
+        offered = np.minimum(self.controller.choose(len(rows)), budgets)
+        return _Plan(offered.tolist(), self.controller.draft_stop(), np.minimum(budgets, 1).tolist())
 
     def _draft(self, rows: list[Row], plan: _Plan) -> tuple[Proposal | None, Proposal | None]:
-        """The proposal to verify, and at k = 0 a model-free drafter's shadow guess.
+        """The proposal to verify (cut at the confidence stop when the drafter reports confidence), and
+        when no row drafts, a model-free drafter's shadow guess.
 
         The shadow guess costs microseconds; comparing it with the token the target then picks measures
         acceptance for free, so the controller knows when speculation would pay again without spending a
         wider verify pass to find out."""
-        if plan.k:
-            return self.drafter.propose(rows, plan.k, plan.offered), None
+        if plan.width:
+            self.drafter.limit(plan.stop)
+            proposal = self.drafter.propose(rows, plan.width, plan.offered)
+            if plan.stop is not None and proposal.confidence is not None:
+                proposal.lengths = plan.stop.cut(proposal.confidence, proposal.lengths)
+            return proposal, None
         if self.drafter.passes_per_token == 0 and any(plan.shadow):
             return None, self.drafter.propose(rows, 1, plan.shadow)
         return None, None
@@ -188,6 +206,10 @@ class SpeculativeGenerator:
             verdict = verify_sampled(logits, drafts.to(device), lens.to(device), s.sampling,
                                      [r.seed for r in batch.rows], [r.generated for r in batch.rows], probs)
         self.drafter.verified(batch.rows, hidden, verdict.accepted)
+        if s.logprobs is not None:
+            for row, (chosen, tops) in zip(batch.rows, token_logprobs(logits, verdict.tokens, s.logprobs)):
+                row.logprobs += chosen
+                row.top_logprobs += tops
         return verdict, lens.tolist(), width
 
     def _accept(self, batch: LiveBatch, verdict: Verdict, results: list[Completion | None], stats: GenerationStats) -> None:
@@ -225,10 +247,12 @@ class SpeculativeGenerator:
             return None
         return self._completion(row, self.tokenizer.decode(generated, skip_special_tokens=True), reason)
 
-    @staticmethod
-    def _completion(row: Row, text: str, reason: str) -> Completion:
-        return Completion(row.tokens[row.prompt_len :], text, reason, None, row.prompt_len, row.target_passes,
-                          row.drafted, row.accepted)
+    def _completion(self, row: Row, text: str, reason: str) -> Completion:
+        tokens = row.tokens[row.prompt_len :]
+        logprobs = None if self.settings.logprobs is None else row.logprobs[: len(tokens)]
+        tops = None if self.settings.logprobs is None else row.top_logprobs[: len(tokens)]
+        return Completion(tokens, text, reason, None, row.prompt_len, row.target_passes, row.drafted, row.accepted,
+                          logprobs, tops)
 
     def _stop_cut(self, generated: list[int], before: int) -> tuple[int, str] | None:
         """If a stop string appeared, the fewest tokens that contain it and the text before it.

@@ -13,7 +13,8 @@ from transformers.cache_utils import Cache
 
 class SlotCache(Cache):
     """Drop-in `transformers` cache. The caller sets `rows` (a slice of slots) and `write_positions`
-    (rows, q) before each forward; attention sees `kv_len` positions of each row."""
+    (rows, q) before each forward, or `write_start` when every row writes at the same offset (one slice
+    copy instead of a scatter); attention sees `kv_len` positions of each row."""
 
     def __init__(self, max_rows: int, capacity: int):
         super().__init__(layers=[])
@@ -22,6 +23,7 @@ class SlotCache(Cache):
         self.values: list[torch.Tensor] = []
         self.rows = slice(0, 0)
         self.write_positions: torch.Tensor | None = None
+        self.write_start: int | None = None
         self.kv_len = 0
 
     def _allocate(self, like: torch.Tensor) -> None:
@@ -33,9 +35,14 @@ class SlotCache(Cache):
         if layer_idx == len(self.keys):
             self._allocate(key_states)
         keys, values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
-        index = self.write_positions[:, None, :, None].expand_as(key_states)
-        keys.scatter_(2, index, key_states)
-        values.scatter_(2, index, value_states)
+        if self.write_start is not None:
+            end = self.write_start + key_states.shape[2]
+            keys[:, :, self.write_start : end] = key_states
+            values[:, :, self.write_start : end] = value_states
+        else:
+            index = self.write_positions[:, None, :, None].expand_as(key_states)
+            keys.scatter_(2, index, key_states)
+            values.scatter_(2, index, value_states)
         return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -52,3 +59,4 @@ class SlotCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+

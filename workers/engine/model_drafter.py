@@ -5,6 +5,7 @@ import torch
 
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
+from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import Drafter, Proposal, Row
 from workers.engine.sampling import DRAFT_STREAM, SamplingParams, inverse_cdf, probabilities, uniforms
 
@@ -20,6 +21,7 @@ class ModelDrafter(Drafter):
         self.model, self.sampling = model, sampling
         self.lm: CachedLM | None = None
         self.fed: list[list[int]] = []  # per slot: every token in the draft cache, in order
+        self.stop: DraftStop | None = None
 
     def start(self, max_rows: int, capacity: int) -> None:
         self.lm = CachedLM(self.model, max_rows, capacity)
@@ -54,23 +56,38 @@ class ModelDrafter(Drafter):
             self.fed[slot] = self.fed[slot] + p
         return self.model.logits(hidden[torch.arange(len(rows)), last.to(hidden.device)])
 
+    def limit(self, stop: DraftStop | None) -> None:
+        self.stop = stop
+
     def propose(self, rows: list[Row], k: int, caps: list[int]) -> Proposal:
+        """Drafts position by position; with a confidence stop, ends as soon as the next column no longer pays."""
         logits = self._catch_up(rows)
         seeds, starts = [r.seed for r in rows], [r.generated for r in rows]
-        drafts, probs = [], []
+        offered = torch.tensor([min(k, c) for c in caps])
+        reach = torch.ones(len(rows), dtype=torch.float64)
+        drafts, probs, confidence, passes = [], [], [], 1
         for j in range(k):
             if self.sampling.greedy:
                 token = logits.argmax(-1)
+                p = logits.float().softmax(-1) if self.stop is not None else None
             else:
                 p = probabilities(logits, self.sampling)
                 token = inverse_cdf(p, uniforms(seeds, [s + j for s in starts], 1, stream=DRAFT_STREAM).squeeze(1))
                 probs.append(p)
+            if self.stop is not None:
+                q = p.gather(-1, token.view(-1, 1)).squeeze(1).cpu()
+                reach = self.stop.reach(reach, q)
+                if not self.stop.keep(j, reach, offered > j):
+                    break
+                confidence.append(q)
             drafts.append(token.cpu())
             if j + 1 < k:
                 logits = self.lm.logits(token.view(-1, 1).cpu())[:, 0]
                 self.lm.advance(torch.ones(len(rows), dtype=torch.long))
+                passes += 1
                 for slot, t in enumerate(token.tolist()):
                     self.fed[slot].append(t)
+        width = len(drafts)
         tokens = torch.stack(drafts, 1) if drafts else torch.zeros(len(rows), 0, dtype=torch.long)
-        lengths = torch.tensor([min(k, c) for c in caps], dtype=torch.long)
-        return Proposal(tokens, lengths, torch.stack(probs, 1) if probs else None)
+        return Proposal(tokens, offered.clamp(max=width), torch.stack(probs[:width], 1) if width and probs else None,
+                        torch.stack(confidence, 1) if confidence else None, passes)

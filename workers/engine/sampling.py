@@ -64,6 +64,21 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=weights.shape[-1] - 1)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[list[int]], top: int
+                   ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+    """Per row: the log-probability of each of its tokens under the logits (n, w, vocab) at the positions
+    that chose them, and the `top` most likely (token, log-probability) pairs at each of those positions."""
+    logp = torch.log_softmax(logits.float(), -1)
+    best = logp.topk(top, -1) if top else None
+    out = []
+    for r, row in enumerate(tokens):
+        chosen = logp[r, torch.arange(len(row)), torch.tensor(row, device=logp.device)].tolist()
+        tops = [] if best is None else [list(zip(i, v)) for i, v in zip(best.indices[r, : len(row)].tolist(),
+                                                                         best.values[r, : len(row)].tolist())]
+        out.append((chosen, tops))
+    return out
+
+
 @dataclass
 class Verdict:
     """Per row: how many drafts were accepted, and the tokens to append (accepted drafts + one more)."""

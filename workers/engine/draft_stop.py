@@ -1,0 +1,41 @@
+"""Confidence stops: end a model drafter's drafts where one more column no longer pays.
+
+A drafter that knows its probability q of each token it proposes (a draft model, an MTP head) can
+judge the next column before it is verified: row r's draft reaches an accepted position j with
+probability P_r(j) = prod_{i <= j} min(1, kappa * q_r(i)), kappa calibrating q against measured
+acceptance. A verify pass costs its widest row, so a column is paid once for the whole batch: it is
+drafted while the rows offered it expect to gain more from it than it costs at the current rate,
+sum_r P_r(j) >= threshold[j] = rate (tokens/s) * seconds the column adds (draft pass + verify width).
+This is the goodput rule of DISCO (Mamou et al. 2024) and of vLLM's draft-length policy, summed over
+the batch because the batch shares the pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DraftStop:
+    threshold: np.ndarray       # (max_k,): expected accepted tokens column j must add to be drafted
+    calibration: float = 1.0    # kappa: accepted drafts per unit of summed draft confidence
+
+    def reach(self, before: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        """P_r(j) from P_r(j - 1) and this column's confidence q_r(j) (both (n,))."""
+        return before * (confidence.double() * self.calibration).clamp(max=1.0)
+
+    def keep(self, column: int, reach: torch.Tensor, offered: torch.Tensor) -> bool:
+        """Whether column `column` (0-based) is drafted, given each row's P_r(column) and whether it is offered."""
+        return column < len(self.threshold) and float(reach[offered].sum()) >= self.threshold[column]
+
+    def cut(self, confidence: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Draft lengths (n,) after the stop, for a proposal's per-position confidence (n, k)."""
+        reach = torch.ones(len(lengths), dtype=torch.float64)
+        for column in range(confidence.shape[1]):
+            offered = lengths > column
+            reach = self.reach(reach, confidence[:, column].cpu())
+            if not offered.any() or not self.keep(column, reach, offered):
+                return lengths.clamp(max=column)
+        return lengths

@@ -1,0 +1,76 @@
+"""Matmuls against weights laid out once, at load time, for the kernel that streams them fastest.
+
+On CPU in fp32 and bf16, oneDNN's linear over a weight reordered ahead of time ("packed") costs about
+as much for 9 rows as for 1: all 30 SmolLM2-135M layers plus its head took 44 ms for 9 rows against
+40 ms for 1, where MKL's sgemm on a plain (in, out) weight took 99 ms for 9 rows. A verify pass of
+width 9, or a batch of rows, is then nearly free next to a single-token pass. For a single fp32 row
+MKL's GEMV on the plain (in, out) layout is still ~20% faster (35 ms), so fp32 keeps both layouts (the
+weights' memory doubles for the fastest pass at every width); bf16 is fastest packed at every width
+and keeps only that. Other dtypes (fp64 in the exactness tests) and other devices keep one plain layout.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+PACK_ROWS = 64  # the row count oneDNN lays the weight out for; measured as good as 9 or 16 for 1..64 rows
+
+
+def packs(weight: torch.Tensor) -> bool:
+    """Whether `weight` gets the oneDNN packed layout (CPU, fp32 or bf16, oneDNN built in)."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+def _plain(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+    out = x @ plain
+    out = out if bias is None else out + bias
+    return out if residual is None else residual + out
+
+
+def _packed(x: torch.Tensor, packed: torch.Tensor, plain: torch.Tensor | None, bias: torch.Tensor | None,
+            residual: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN for several rows (the residual add is the GEMM's epilogue: one kernel, same rounding); MKL's
+    GEMV on the plain layout for one row where it is kept."""
+    if plain is not None and x.numel() == x.shape[-1]:
+        return _plain(x, plain, bias, residual)
+    if residual is None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+
+@torch.library.custom_op("specbatch::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, plain: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """The packed matmul as one opaque op for torch.compile, which cannot lower oneDNN's packed weights itself."""
+    return _packed(x, packed, plain, bias, residual)
+
+
+@packed_linear.register_fake
+def _(x, packed, plain, bias, residual):
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+class Linear(NamedTuple):
+    """y = x @ weight.T + bias (+ residual) for a (out, in) weight. A tuple of tensors, so that a compiled
+    function taking one compiles once for every layer of the same shape."""
+    packed: torch.Tensor | None      # oneDNN layout
+    plain: torch.Tensor | None       # (in, out)
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        weight = weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if packs(weight) else None
+        plain = packed is None or weight.dtype == torch.float32
+        plain_weight = None if not plain else weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
+        return cls(packed, plain_weight, None if bias is None else bias.detach())
+
+
+def linear(x: torch.Tensor, weights: Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
+    if weights.packed is None:
+        return _plain(x, weights.plain, weights.bias, residual)
+    if torch.compiler.is_compiling():
+        return packed_linear(x, *weights, residual)
+    return _packed(x, *weights, residual)  # eager: skip the custom op's dispatch cost

@@ -1,0 +1,297 @@
+"""Distil an MTP head from the target's own completions, and measure what it would buy.
+
+Features come from one no-grad target forward over prompt + completion: the last hidden state h_i as the
+LM head reads it (after the final norm, as the verify pass gives it to the drafter) and the target's greedy
+token at every position.
+Training unrolls the head `depth` times the way drafting chains it: depth d at anchor i reads the head's
+own state from depth d-1 and the token t_{i+d}, and attends to the real entries 0..i and to the chained
+entries of anchor i only (EAGLE-3's training-time test). Loss: cross-entropy on the realised tokens plus
+KL to the target's distribution (both over the draft vocabulary). Acceptance per draft position is scored
+with argmax drafts against the target's greedy tokens, exactly as greedy drafting would be verified.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from workers.engine.cached_lm import CachedLM
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.mtp_drafter import CachedHead, draft_rows
+from workers.mtp_head import MTPHead
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor    # (L,) prompt + completion
+    hidden: torch.Tensor    # (L, d) the target's last hidden states (after the final norm), fp32
+    greedy: torch.Tensor    # (L,) the target's argmax at each position: its choice for the next token
+    start: int              # index of the first completion token
+
+
+@torch.no_grad()
+def target_features(target: PreTrainedModel, sequences: list[tuple[list[int], list[int]]],
+                    batch_tokens: int = 2048, progress: bool = False) -> list[Example]:
+    """One target forward per batch of (prompt ids, completion ids); examples come back in input order."""
+    decoder, lm_head = target.get_decoder(), target.get_output_embeddings()
+    device = lm_head.weight.device
+    examples: list[Example | None] = [None] * len(sequences)
+    with tqdm(total=len(sequences), desc="target features", unit="seq", disable=not progress) as bar:
+        for batch in _batches(sorted(range(len(sequences)), key=lambda i: -sum(map(len, sequences[i]))),
+                              lambda i: sum(map(len, sequences[i])), batch_tokens):
+            rows = [sequences[i][0] + sequences[i][1] for i in batch]
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+            hidden = decoder(input_ids=ids).last_hidden_state  # right padding: causal rows never see it
+            for i, row, states in zip(batch, rows, hidden):
+                n = len(row)
+                examples[i] = Example(torch.tensor(row), states[:n].float().cpu(), lm_head(states[:n]).argmax(-1).cpu(),
+                                      len(sequences[i][0]))
+            bar.update(len(batch))
+    return examples  # type: ignore[return-value]
+
+
+def _batches(order: list[int], length, budget: int) -> list[list[int]]:
+    """Consecutive groups of `order` whose padded size (rows x longest) stays within `budget` tokens."""
+    groups, current, longest = [], [], 0
+    for i in order:
+        longest_with = max(longest, length(i))
+        if current and longest_with * (len(current) + 1) > budget:
+            groups.append(current)
+            current, longest_with = [], length(i)
+        current.append(i)
+        longest = longest_with
+    return groups + [current] if current else groups
+
+
+def frequent_tokens(examples: list[Example], size: int) -> torch.Tensor | None:
+    """The `size` most frequent completion tokens as sorted ids (every token seen when fewer); None for size 0,
+    which means the full vocabulary."""
+    if size <= 0:
+        return None
+    counts = Counter(t for e in examples for t in e.tokens[e.start :].tolist())
+    return torch.tensor(sorted(t for t, _ in counts.most_common(size)))
+
+
+@dataclass
+class _Batch:
+    anchors: int                # A = L - 1 for the longest example L: anchor i pairs h_i with t_{i+1}
+    hidden: torch.Tensor        # (B, L + depth, d) padded
+    tokens: torch.Tensor        # (B, L + depth) padded
+    greedy: torch.Tensor        # (B, L + depth) padded
+    scored: torch.Tensor        # (B, L + depth) bool: a completion token (drafts are scored on these)
+
+
+def _collate(examples: list[Example], depth: int, device: torch.device) -> _Batch:
+    width = max(len(e.tokens) for e in examples)
+    hidden = torch.zeros(len(examples), width + depth, examples[0].hidden.shape[1])
+    tokens = torch.zeros(len(examples), width + depth, dtype=torch.long)
+    greedy = torch.zeros_like(tokens)
+    scored = torch.zeros_like(tokens, dtype=torch.bool)
+    for row, e in enumerate(examples):
+        n = len(e.tokens)
+        hidden[row, :n], tokens[row, :n], greedy[row, :n] = e.hidden, e.tokens, e.greedy
+        scored[row, e.start : n] = True
+    return _Batch(width - 1, hidden.to(device), tokens.to(device), greedy.to(device), scored.to(device))
+
+
+class _Stacked:
+    """A training-time 'cache': each depth's keys and values are appended after the previous depths'."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, **kwargs):
+        if layer_idx in self.keys:
+            key, value = torch.cat([self.keys[layer_idx], key], 2), torch.cat([self.values[layer_idx], value], 2)
+        self.keys[layer_idx], self.values[layer_idx] = key, value
+        return key, value
+
+
+def unroll(head: MTPHead, batch: _Batch, depth: int) -> list[torch.Tensor]:
+    """Head states (B, A, d) for depths 1..depth at every anchor i < A = L - 1.
+
+    Depth d at anchor i sits at position i + d - 1 and predicts token i + d + 1; it sees the depth-1 entries
+    of anchors <= i and the deeper entries of anchor i, as chained drafting from anchor i does."""
+    rows, anchors = batch.hidden.shape[0], batch.anchors
+    dtype, device = head.proj.weight.dtype, batch.hidden.device
+    causal = torch.ones(anchors, anchors, dtype=torch.bool, device=device).tril()
+    own = torch.eye(anchors, dtype=torch.bool, device=device)
+    cache, states, state = _Stacked(), [], batch.hidden[:, :anchors]
+    for d in range(1, depth + 1):
+        visible = torch.cat([causal] + [own] * (d - 1), 1)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
+        positions = (torch.arange(anchors, device=device) + d - 1).expand(rows, anchors)
+        state = head(state, batch.tokens[:, d : d + anchors], positions, mask[None, None], cache)  # chains on itself
+        states.append(state)
+    return states
+
+
+def _loss(head: MTPHead, batch: _Batch, depth: int, kl_weight: float, token_index: torch.Tensor) -> torch.Tensor:
+    rows_t, anchors = head.head_rows().t(), batch.anchors
+    total = torch.zeros((), device=batch.hidden.device)
+    for d, states in enumerate(unroll(head, batch, depth), 1):
+        scored = batch.scored[:, d + 1 : d + 1 + anchors]
+        logits = head.logits(states[scored], rows_t).log_softmax(-1)
+        wanted = token_index[batch.tokens[:, d + 1 : d + 1 + anchors][scored]]
+        known = wanted >= 0  # a token outside the draft vocabulary can never be drafted: no CE for it
+        if known.any():
+            total = total + F.nll_loss(logits[known], wanted[known])
+        if kl_weight:
+            with torch.no_grad():  # the target's own distribution for the same token, over the draft vocabulary
+                teacher = head.logits(batch.hidden[:, d : d + anchors][scored], rows_t).log_softmax(-1)
+            total = total + kl_weight * F.kl_div(logits, teacher, log_target=True, reduction="batchmean")
+    return total / depth
+
+
+@torch.no_grad()
+def acceptance(head: MTPHead, examples: list[Example], positions: int = 4, batch_tokens: int = 4096) -> list[float]:
+    """Greedy acceptance at draft positions 1..positions: at position d, the fraction of anchors whose first
+    d - 1 drafts were all accepted whose d-th draft equals the target's greedy token."""
+    attempted, accepted = [0] * positions, [0] * positions
+    device = head.proj.weight.device
+    for group in _batches(list(range(len(examples))), lambda i: len(examples[i].tokens), batch_tokens):
+        batch = _collate([examples[i] for i in group], positions, device)
+        anchors = batch.anchors
+        alive = torch.ones(batch.hidden.shape[0], anchors, dtype=torch.bool, device=device)
+        for d, states in enumerate(unroll(head, batch, positions), 1):
+            alive = alive & batch.scored[:, d + 1 : d + 1 + anchors]
+            guess = head.to_full_vocab(head.logits(states).argmax(-1))
+            attempted[d - 1] += int(alive.sum())
+            alive = alive & (guess == batch.greedy[:, d : d + anchors])
+            accepted[d - 1] += int(alive.sum())
+    return [a / t if t else float("nan") for a, t in zip(accepted, attempted)]
+
+
+@dataclass
+class TrainSettings:
+    seconds: float                          # the training budget (wall clock, evaluations included)
+    max_steps: int | None = None
+    lr: float = 1e-3
+    batch_tokens: int = 2048                # padded tokens per step
+    depth: int = 2                          # unrolled draft positions trained (1: DeepSeek's MTP, 2+: chained)
+    kl_weight: float = 1.0
+    eval_every_s: float = 60.0
+    eval_examples: int = 64                 # held-out examples scored for the curve (all of them at the end)
+    seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0
+    seconds: float = 0.0
+    curve: list[dict] = field(default_factory=list)  # {minutes, cpu_minutes, step, loss, heldout_accept_1}
+
+
+def train(head: MTPHead, examples: list[Example], heldout: list[Example], settings: TrainSettings,
+          clock_start: float | None = None, progress: bool = True) -> TrainResult:
+    """AdamW on the head's own parameters until the time or step budget runs out. The curve's minutes count
+    from `clock_start` (the start of the whole distillation, data generation included); its cpu_minutes are
+    the process's CPU time, which says what the wall clock meant on a shared machine."""
+    started = time.perf_counter()
+    clock_start = started if clock_start is None else clock_start
+    rng = random.Random(settings.seed)
+    device = head.proj.weight.device
+    token_index = torch.full((head.spec.vocab_size,), -1, dtype=torch.long, device=device)
+    ids = torch.arange(head.spec.vocab_size, device=device) if head.vocab_ids is None else head.vocab_ids
+    token_index[ids] = torch.arange(len(ids), device=device)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    probe = heldout[: settings.eval_examples]
+    result, smoothed, last_eval = TrainResult(), float("nan"), started
+
+    def evaluate() -> None:
+        head.eval()
+        accept = acceptance(head, probe, positions=1)[0] if probe else float("nan")
+        head.train()
+        result.curve.append({"minutes": (time.perf_counter() - clock_start) / 60,
+                             "cpu_minutes": time.process_time() / 60, "step": result.steps,
+                             "loss": smoothed, "heldout_accept_1": accept})
+        bar.set_postfix(loss=f"{smoothed:.3f}", accept_1=f"{accept:.3f}")
+
+    head.train()
+    with tqdm(total=round(settings.seconds), unit="s", desc="distill", disable=not progress) as bar:
+        evaluate()
+        while True:
+            elapsed = time.perf_counter() - started
+            if elapsed >= settings.seconds or (settings.max_steps is not None and result.steps >= settings.max_steps):
+                break
+            order = list(range(len(examples)))
+            rng.shuffle(order)
+            for group in _batches(order, lambda i: len(examples[i].tokens), settings.batch_tokens):
+                elapsed = time.perf_counter() - started
+                if elapsed >= settings.seconds or (settings.max_steps is not None and result.steps >= settings.max_steps):
+                    break
+                for g in optimizer.param_groups:
+                    g["lr"] = settings.lr * _schedule(result.steps, elapsed / settings.seconds)
+                loss = _loss(head, _collate([examples[i] for i in group], settings.depth, device), settings.depth,
+                             settings.kl_weight, token_index)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                optimizer.step()
+                result.steps += 1
+                smoothed = loss.item() if math.isnan(smoothed) else 0.9 * smoothed + 0.1 * loss.item()
+                bar.update(min(round(time.perf_counter() - started), bar.total) - bar.n)
+                bar.set_postfix(loss=f"{smoothed:.3f}", refresh=False)
+                if time.perf_counter() - last_eval >= settings.eval_every_s:
+                    evaluate()
+                    last_eval = time.perf_counter()
+        evaluate()
+    head.eval()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _schedule(step: int, progress: float, warmup: int = 20) -> float:
+    """Linear warmup over the first steps, then cosine decay to a tenth over the time budget."""
+    return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+@torch.no_grad()
+def measure_costs(head: MTPHead, target: DecodingModel, rows: int, context: int = 128, max_q: int = 5,
+                  repeats: int = 7) -> dict:
+    """Median seconds of one head draft step (q = 1, logits and argmax included) and of one target verify
+    pass of q = 1..max_q tokens per row, for `rows` rows with `context` cached tokens, timed interleaved."""
+    capacity = context + max_q + 1
+    lm, drafter, rows_t = CachedLM(target, rows, capacity), CachedHead(head, rows, capacity), draft_rows(head, target)
+    lm.prefill([[1] * (context + 1)] * rows, 0)
+    hidden = torch.randn(rows, context, head.spec.hidden_size, dtype=drafter.dtype, device=drafter.device)
+    drafter.forward(hidden, torch.ones(rows, context, dtype=torch.long))
+    drafter.advance(torch.full((rows,), context))
+    step_in = (hidden[:, -1:], torch.ones(rows, 1, dtype=torch.long))
+    draft, verify = [], {q: [] for q in range(1, max_q + 1)}
+    for _ in range(repeats):
+        began = time.perf_counter()
+        head.logits(drafter.forward(*step_in), rows_t).argmax(-1).tolist()
+        draft.append(time.perf_counter() - began)
+        for q in verify:
+            began = time.perf_counter()
+            lm.logits(torch.ones(rows, q, dtype=torch.long)).argmax(-1).tolist()
+            verify[q].append(time.perf_counter() - began)
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"rows": rows, "context": context, "draft_s": median(draft),
+            "verify_s": {q: median(v) for q, v in verify.items()}}
+
+
+def expected_speedup(alphas: list[float], costs: dict) -> dict:
+    """Leviathan et al.'s walltime gain with per-position acceptance: E(k) = 1 + sum_j prod_{i<=j} alpha_i
+    tokens per pass at a cost of k draft steps plus one verify of k + 1 tokens, against plain decoding."""
+    plain = costs["verify_s"][1]
+    best = {"k": 0, "tokens_per_pass": 1.0, "speedup": 1.0}
+    for k in range(1, len(costs["verify_s"])):
+        tokens, survive = 1.0, 1.0
+        for j in range(k):
+            survive *= alphas[min(j, len(alphas) - 1)]
+            tokens += survive
+        speedup = tokens * plain / (k * costs["draft_s"] + costs["verify_s"][k + 1])
+        if speedup > best["speedup"]:
+            best = {"k": k, "tokens_per_pass": tokens, "speedup": speedup}
+    return {**best, "cost_ratio": costs["draft_s"] / plain}
