@@ -87,8 +87,8 @@ def test_config_refuses_what_cannot_run():
         load_bench_config({"ks": [0, 9], "max_k": 8})
     with pytest.raises(BenchError, match="batch_sizess"):
         load_bench_config({"batch_sizess": [1]})
-    with pytest.raises(BenchError, match=r"\['nope'\] are not registered.*ngram"):
-        load_bench_config({"drafters": ["ngram", "nope"]})
+    with pytest.raises(BenchError, match=r"\['nope', 'ngram\+nope'\] are not registered.*ngram"):
+        load_bench_config({"drafters": ["ngram", "nope", "ngram+nope"]})
     with pytest.raises(BenchError, match="model.draft"):
         load_bench_config({"drafters": ["model"]})
     with pytest.raises(BenchError, match="at least as many rows as its batch size"):
@@ -96,10 +96,12 @@ def test_config_refuses_what_cannot_run():
 
 
 def test_drafters_become_systems_by_name():
-    cfg = load_bench_config({"drafters": ["ngram", "model"], "model": {"draft": "some-draft"}, "ks": [0, 4]})
+    cfg = load_bench_config({"drafters": ["ngram", "model", "suffix+ngram"], "model": {"draft": "some-draft"},
+                             "ks": [0, 4]})
     names = [s.name for s in bench_systems(cfg, 4)]
     assert names == ["transformers", "specbatch k=0", "specbatch ngram k=4", "specbatch model k=4",
-                     "specbatch ngram adaptive", "specbatch model adaptive"]
+                     "specbatch suffix+ngram k=4", "specbatch ngram adaptive", "specbatch model adaptive",
+                     "specbatch suffix+ngram adaptive"]
     assisted = {"transformers prompt-lookup 10", "transformers draft heuristic", "transformers draft constant"}
     assert {s.name for s in bench_systems(cfg, 1)} == set(names) | assisted   # assisted generation: batch 1 only
 
@@ -172,12 +174,12 @@ def test_roofline_arithmetic_on_a_tiny_model():
     assert cell["bytes_per_pass"] == 1_500_000
     assert cell["floor_ms_per_pass"] == pytest.approx(1.5) and cell["ms_per_pass"] == pytest.approx(5.0)
     assert cell["floor_fraction"] == pytest.approx(0.3)
-    assert 1e8 < measure_bandwidth(torch.device("cpu"), repeats=2) < 1e13
+    assert 1e8 < measure_bandwidth(torch.device("cpu"), repeats=2, mb=64) < 1e13
 
 
 @pytest.mark.timeout(240)
 def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
-    cfg = load_bench_config(tiny_bench_config(model_dir, write_suite(tmp_path / "suite")))
+    cfg = load_bench_config(tiny_bench_config(model_dir, write_suite(tmp_path / "suite"), drafters=["ngram", "suffix+ngram"]))
     out = tmp_path / "out"
     results = benchmark(cfg, out, "specbatch bench --config tiny.yaml", log=lambda message: None)
 
@@ -185,7 +187,8 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
         assert (out / name).stat().st_size > 0, name
     rows = pq.read_table(out / "results.parquet").to_pylist()
     assert len(rows) == len(results) and list(rows[0]) == COLUMNS
-    ours = {"specbatch k=0", "specbatch ngram k=2", "specbatch ngram adaptive"}
+    ours = {"specbatch k=0", "specbatch ngram k=2", "specbatch ngram adaptive", "specbatch suffix+ngram k=2",
+            "specbatch suffix+ngram adaptive"}
     expected = {(w, b, s) for w in ("multi_turn", "rewriting", MIX) for b in (1, 2) for s in ours | {"transformers"}}
     expected |= {(w, 1, "transformers prompt-lookup 4") for w in ("multi_turn", "rewriting", MIX)}
     assert {(r["workload"], r["batch_size"], r["system"]) for r in rows} == expected

@@ -112,5 +112,5 @@ def add_ratios(results: list[dict]) -> None:
     base = {(r["workload"], r["batch_size"]): r for r in results if r["system"] == TRANSFORMERS}
     for r in results:
         b = base.get((r["workload"], r["batch_size"]))
-        value, low, high = ratio_range(rates(r), rates(b)) if b else (None, None, None)
+        value, low, high = (1.0, 1.0, 1.0) if b is r else ratio_range(rates(r), rates(b)) if b else (None, None, None)
         r.update(ratio_vs_transformers=value, ratio_vs_transformers_min=low, ratio_vs_transformers_max=high)

@@ -30,6 +30,7 @@ class BenchModelConfig(_Strict):
     draft: str | None = None     # a draft model sharing the tokenizer: transformers' assisted generation and `model`
     mtp_head: str | None = None  # a head from `specbatch distill` for this target: the `mtp` drafter's model.draft
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    compile: bool = False        # model.compile for this generator's systems (transformers always runs eager)
 
 
 class PipelineBenchConfig(_Strict):
@@ -55,7 +56,7 @@ class BenchConfig(_Strict):
     ks: list[int] = Field(default_factory=lambda: [0, 2, 4, 8])
     adaptive: bool = True
     max_k: int = Field(8, ge=1, le=64)
-    drafters: list[str] = Field(default_factory=lambda: ["ngram"], min_length=1)
+    drafters: list[str] = Field(default_factory=lambda: ["ngram"], min_length=1)   # registered names; `suffix+ngram` composes
     ngram_size: int = Field(3, ge=1)
     max_new_tokens: int = Field(32, ge=1)
     repeats: int = Field(2, ge=1)
@@ -75,10 +76,10 @@ class BenchConfig(_Strict):
         short = {b: n for b, n in self.rows_by_batch.items() if n < b}
         if short:
             raise ValueError(f"rows_by_batch {short}: a cell needs at least as many rows as its batch size")
-        unknown = [d for d in self.drafters if d not in DRAFTERS or d == "none"]
+        unknown = [d for d in self.drafters if any(part not in DRAFTERS or part == "none" for part in d.split("+"))]
         if unknown:
             raise ValueError(f"drafters {unknown} are not registered (workers/registry.py has "
-                             f"{sorted(set(DRAFTERS) - {'none'})}; k = 0 is always run)")
+                             f"{sorted(set(DRAFTERS) - {'none'})}, composed as `a+b`; k = 0 is always run)")
         for drafter in self.drafters:   # what a job would refuse (a drafter needing model.draft), refused here
             try:
                 job_config(self, drafter, 1, 1)
@@ -93,13 +94,14 @@ class BenchConfig(_Strict):
 def job_config(cfg: BenchConfig, drafter: str, k: int | str, batch_size: int, max_new_tokens: int | None = None,
                input_path: str = "bench", output_path: str = "bench-out", rows_per_shard: int = 256) -> JobConfig:
     """The job a user would write for these settings; the bench's generators and pipeline row are built from it."""
-    m = cfg.model
-    draft = m.mtp_head if drafter == "mtp" else m.draft
+    m, parts = cfg.model, drafter.split("+")
+    draft = m.mtp_head if "mtp" in parts else m.draft
     return JobConfig.model_validate({
         "name": "bench",
         "input": {"path": input_path, "messages_column": "messages", "id_column": "id"},
         "output": {"path": output_path},
-        "model": {"target": m.target, "dtype": m.dtype, "drafter": drafter, **({"draft": draft} if draft else {})},
+        "model": {"target": m.target, "dtype": m.dtype, "drafter": parts if len(parts) > 1 else drafter,
+                  "compile": m.compile, **({"draft": draft} if draft else {})},
         "generation": {"max_new_tokens": max_new_tokens or cfg.max_new_tokens, "temperature": 0.0},
         "speculation": {"k": k, "max_k": cfg.max_k if k == "adaptive" else int(k), "ngram_size": cfg.ngram_size},
         "resources": {"workers": 1, "cpus_per_worker": float(os.cpu_count() or 1), "batch_size": batch_size},

@@ -36,10 +36,10 @@ def _page_in(model: torch.nn.Module | None) -> None:
 def load_bench_models(cfg: BenchConfig, device: torch.device) -> BenchModels:
     base = load_models(job_config(cfg, "none", 0, 1), device)
     by_drafter = {"none": base}
-    for name in cfg.drafters:
-        loader = DRAFTERS[name].load_draft
+    for name in cfg.drafters:   # like load_models: model.draft holds one set of weights, for the first kind that reads it
+        loaders = [DRAFTERS[part].load_draft for part in name.split("+") if DRAFTERS[part].load_draft is not None]
         by_drafter[name] = Models(base.target, base.tokenizer,
-                                  loader(job_config(cfg, name, 1, 1), base, device) if loader else None)
+                                  loaders[0](job_config(cfg, name, 1, 1), base, device) if loaders else None)
     hf_draft = None
     if cfg.model.draft:
         draft = by_drafter["model"] if "model" in by_drafter else Models(

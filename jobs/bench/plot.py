@@ -1,5 +1,5 @@
 """plot.png: per workload, tokens/s by draft length (x) and batch size (colour), each drafter a line style,
-adaptive a marker at the right, transformers a dashed line, whiskers the min–max over the repeats; a last
+adaptive a large marker at the right, transformers a dashed line, whiskers the min–max over the repeats; a last
 row of panels, one per batch size, with each system's fraction of the bandwidth floor over the workloads."""
 from __future__ import annotations
 
@@ -19,19 +19,17 @@ def _workload_panel(ax, rows: list[dict], cfg: BenchConfig, colors: list[str]) -
     for i, b in enumerate(cfg.batch_sizes):
         color = colors[i % len(colors)]
         for j, drafter in enumerate(cfg.drafters):
-            points = [(x, cells[(b, fixed_name(drafter, k))]) for x, k in enumerate(ks) if (b, fixed_name(drafter, k)) in cells]
+            fixed = [(x, cells[(b, fixed_name(drafter, k))]) for x, k in enumerate(ks) if (b, fixed_name(drafter, k)) in cells]
             adaptive = cells.get((b, adaptive_name(drafter)))
-            points += [(len(ks), adaptive)] if adaptive else []
-            if not points:
-                continue
-            xs, cell = zip(*points)
-            ys = [c["tokens_per_s"] for c in cell]
-            whiskers = [[y - c["tokens_per_s_min"] for y, c in zip(ys, cell)], [c["tokens_per_s_max"] - y for y, c in zip(ys, cell)]]
-            ax.errorbar(xs, ys, yerr=whiskers, fmt="o" + _STYLES[j % len(_STYLES)], color=color, capsize=2, markersize=4,
-                        label=f"{drafter} b={b}")
-            if adaptive:
-                ax.scatter([len(ks)], [adaptive["tokens_per_s"]], marker=_MARKERS[j % len(_MARKERS)], s=200, color=color,
-                           edgecolors="black", zorder=3)
+            for points, fmt, label in ((fixed, "o" + _STYLES[j % len(_STYLES)], f"{drafter} b={b}"),
+                                       ([(len(ks), adaptive)] if adaptive else [], _MARKERS[j % len(_MARKERS)], None)):
+                if points:
+                    xs, rows_ = zip(*points)
+                    ys = [c["tokens_per_s"] for c in rows_]
+                    whiskers = [[y - c["tokens_per_s_min"] for y, c in zip(ys, rows_)],
+                                [c["tokens_per_s_max"] - y for y, c in zip(ys, rows_)]]
+                    ax.errorbar(xs, ys, yerr=whiskers, fmt=fmt, color=color, capsize=2, label=label,
+                                markersize=14 if label is None else 4, markeredgecolor="black" if label is None else color)
         if (b, TRANSFORMERS) in cells:
             ax.axhline(cells[(b, TRANSFORMERS)]["tokens_per_s"], color=color, linestyle="--", linewidth=1,
                        label=f"transformers b={b}")
@@ -83,6 +81,6 @@ def plot(results: list[dict], cfg: BenchConfig, path: Path) -> None:
     if first is not None:
         handles, labels = first.get_legend_handles_labels()
         fig.legend(handles, labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.25 / (grid_rows + floor_rows)))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.12 / (grid_rows + floor_rows)))
     fig.savefig(path, dpi=110)
     plt.close(fig)

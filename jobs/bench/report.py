@@ -15,7 +15,7 @@ import torch
 from jobs.bench.cells import exact
 from jobs.bench.config import BenchConfig
 from jobs.bench.fmt import num, percent
-from jobs.bench.goals import Goal, goal_rows
+from jobs.bench.goals import PER_CELL, Goal, goal_rows
 from jobs.bench.plot import plot
 from jobs.bench.roofline import Floor
 from jobs.bench.systems import SPECBATCH
@@ -102,8 +102,8 @@ def _goal_tables(goals: list[Goal]) -> list[str]:
     per_cell = [g for g in goals if g.cell]
     if per_cell:
         columns = list(dict.fromkeys((b, c) for _, b, c in (g.cell for g in per_cell)))
-        bounds = {(g.cell[1], g.cell[2]): g.target for g in per_cell}
-        lines += ["| workload | " + " | ".join(f"b={b} {c} ({bounds[(b, c)]})" for b, c in columns) + " |",
+        lines += [f"Per cell: {PER_CELL}.", "",
+                  "| workload | " + " | ".join(f"b={b} {c}" for b, c in columns) + " |",
                   "|---|" + "---|" * len(columns)]
         by_cell = {g.cell: g for g in per_cell}
         for w in dict.fromkeys(g.cell[0] for g in per_cell):

@@ -13,9 +13,9 @@ from jobs.bench.timing import timed
 COPY_MB = {"cpu": 256, "cuda": 2048}   # far beyond the caches, so the copy streams from memory
 
 
-def measure_bandwidth(device: torch.device, repeats: int = 5) -> float:
+def measure_bandwidth(device: torch.device, repeats: int = 5, mb: int | None = None) -> float:
     """Bytes per second of a large tensor copy (read + write counted, as STREAM's copy), best of `repeats`."""
-    n = COPY_MB.get(device.type, 256) * 2**20 // 4
+    n = (mb or COPY_MB.get(device.type, 256)) * 2**20 // 4
     src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
     dst.copy_(src)   # pages both buffers in
     best = min(timed(device, lambda: dst.copy_(src))[1] for _ in range(repeats))
