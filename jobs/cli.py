@@ -192,6 +192,7 @@ def parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="side-by-side speed benchmark against transformers")
     bench.add_argument("--config", default="configs/bench.yaml")
     bench.add_argument("--quick", action="store_true", help="a few minutes on a laptop CPU")
+    bench.add_argument("--split", choices=["report", "tune"], default=None, help="suite half (default: the config's, report)")
     bench.add_argument("--out", default="bench-out", help="folder for results.parquet, results.md, plot.png")
     bench.set_defaults(func=_bench)
     distill = sub.add_parser("distill", help="build an MTP draft head for a config's target from its own completions")
