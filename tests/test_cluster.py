@@ -169,6 +169,7 @@ def upload_folder(local: Path, url: str, storage_options: dict) -> None:
 def test_submission_ships_code_and_config_not_secrets_or_venv(write_yaml, tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-ship")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://storage.internal:9000")
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)  # the S3 fixture of an earlier test may have set it
     config = make_config(model_dir, "s3://bucket/in/", "s3://bucket/out/", name="nightly-eval")
     path = write_yaml(config)
     with cluster.prepared(path, ["generation.max_new_tokens=4"], overwrite=True) as sub:
