@@ -8,7 +8,7 @@ CORE := $(VENV)/.core-$(HASH)
 TEST := $(VENV)/.test-$(HASH)
 BENCH := $(VENV)/.bench-$(HASH)
 
-.PHONY: demo test bench bench-quick install
+.PHONY: demo test bench bench-quick gpu-check install
 
 $(BIN)/pip:
 	$(PYTHON) -m venv $(VENV)
@@ -42,3 +42,7 @@ bench-quick: $(BENCH)
 
 bench: $(BENCH)
 	$(BIN)/specbatch bench
+
+# On a machine with a GPU: fp32 exactness on CUDA, then the bf16 benchmark (configs/bench-gpu.yaml), under 10 minutes.
+gpu-check: $(BENCH)
+	$(BIN)/python -m jobs.gpu_check --out gpu-out

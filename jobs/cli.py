@@ -12,6 +12,7 @@ from pipeline.job_state import installed_version
 
 
 EXIT_FAILED_ROWS = 3  # the job finished (_SUCCESS written) but more rows failed than output.max_failed_rows
+EXIT_VERIFY_MISMATCH = 4  # --verify-sample found a row that plain greedy decoding does not reproduce
 
 
 def _terminate(signum, frame):
@@ -28,6 +29,11 @@ def _run(args: argparse.Namespace) -> int:
     from workers.storage import StorageError
 
     config = load_config(args.config, args.set)
+    if args.verify_sample and config.generation.temperature > 0:
+        return _error(ValueError("--verify-sample compares tokens with plain greedy decoding, which only sampling-free "
+                                 "jobs reproduce (generation.temperature is "
+                                 f"{config.generation.temperature:g}; sampled output matches the target's "
+                                 "distribution, not its tokens)"))
     expected = (InputError, StorageError, FileNotFoundError, OutputConflict)
     try:
         plan = plan_job(config)  # bad input, a missing model or a taken output fails here, before Ray and torch load
@@ -39,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         summary = run_job(config, overwrite=args.overwrite, address=args.address, progress=not args.quiet, plan=plan,
-                          verbose=args.verbose)
+                          verbose=args.verbose, verify_sample=args.verify_sample)
     except (*expected, ResourceError, JobFailed) as exc:
         return _error(exc)
     print(json.dumps(summary, indent=2) if args.json else describe(summary))
@@ -49,6 +55,8 @@ def _run(args: argparse.Namespace) -> int:
               f"{summary['output'].rstrip('/')}/errors.parquet, which a retry job can take as its input",
               file=sys.stderr)
         return EXIT_FAILED_ROWS
+    if summary.get("verify_sample", {}).get("mismatches"):
+        return EXIT_VERIFY_MISMATCH
     return 0
 
 
@@ -118,8 +126,22 @@ def describe(summary: dict) -> str:
     if run["shards_run"]:
         lines.append(f"this run: {run['shards_run']} shards ({run['shards_resumed']} resumed), {run['generated_tokens']} "
                      f"tokens in {run['wall_s']:.1f}s ({run['tokens_per_s']:.1f} tokens/s end to end)")
+    if "verify_sample" in summary:
+        lines.append(describe_verification(summary["verify_sample"]))
     lines += [f"output: {summary['output']}", f"report: {summary['output'].rstrip('/')}/report.html"]
     return "\n".join(lines)
+
+
+def describe_verification(verify: dict) -> str:
+    """The --verify-sample line: all identical, or each row that differs and where."""
+    if not verify["mismatches"]:
+        return (f"verify-sample: {verify['rows']} rows ({verify['tokens']} tokens) identical to plain greedy "
+                "decoding (k = 0)")
+    differing = [f"  {m['shard_id']} id={m['id']!r} sample {m['sample_index']}: token {m['position']} is "
+                 f"{m['job_token']} in the output, {m['plain_token']} without speculation"
+                 for m in verify["mismatches"]]
+    return "\n".join([f"verify-sample: {len(differing)} of {verify['rows']} rows DIFFER from plain greedy "
+                      "decoding (k = 0); -1 marks a completion that had ended:", *differing])
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -158,6 +180,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--verbose", action="store_true", help="log Ray's and the workers' own messages and progress bars")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
+    run.add_argument("--verify-sample", type=int, default=0, metavar="N",
+                     help="afterwards regenerate N rows without speculation and compare token for token "
+                          f"(exit {EXIT_VERIFY_MISMATCH} on a difference; greedy jobs only)")
     run.set_defaults(func=_run)
 
     def cluster_command(name: str, help: str, job: bool = True) -> argparse.ArgumentParser:

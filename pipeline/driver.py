@@ -5,6 +5,7 @@ completions go straight between workers and object storage.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from workers.mtp_head import read_spec
 from workers.schemas import ShardStats
 from workers.shard_io import ShardSpec
 from workers.storage import safe_url
+from workers.verify_sample import RowCheck, pick_rows, summarize_checks
 
 log = logging.getLogger(__name__)
 _WORKER_DEATHS = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -97,6 +99,19 @@ class WorkerPool:
         for _ in range(shape.count):
             self.add()
 
+    @classmethod
+    def ready(cls, config: JobConfig, verbose: bool = False) -> WorkerPool:
+        """A pool shaped for the connected cluster whose workers have loaded their models; a worker that cannot
+        fails the job now, with the worker's own error."""
+        pool = cls(config, worker_shape(config, ray.cluster_resources()), verbose)
+        try:
+            devices = ray.get([actor.device.remote() for actor in pool.actors.values()])
+        except _WORKER_DEATHS as exc:
+            pool.shutdown()
+            raise JobFailed(f"workers could not start: {exc}") from None
+        log.info("workers ready on %s", ", ".join(devices))
+        return pool
+
     def add(self) -> str:
         worker_id = f"worker-{self.created:03d}"
         self.created += 1
@@ -115,28 +130,37 @@ class WorkerPool:
 
 
 def run_job(config: JobConfig, overwrite: bool = False, address: str | None = None, progress: bool = True,
-            plan: Plan | None = None, verbose: bool = False) -> dict:
-    """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if not given."""
+            plan: Plan | None = None, verbose: bool = False, verify_sample: int = 0) -> dict:
+    """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if
+    not given. `verify_sample`: rows to regenerate without speculation and compare (summary's verify_sample)."""
     plan = plan or plan_job(config)
     if "mtp" in config.model.drafters:
         read_spec(config.model.draft, config.input.storage_options)  # no head there: fail before any worker starts
     state = JobState(config)
     resumed = state.claim(overwrite, len(plan.shards))
     try:
-        planned = {spec.shard_id for spec in plan.shards}
+        planned = {spec.shard_id: spec for spec in plan.shards}
         done = {k: s for k, s in state.committed().items() if k in planned} if resumed else {}
         todo = deque((spec, 1) for spec in plan.shards if spec.shard_id not in done)
-        stats = list(done.values())
-        if todo:
+        stats, checks = list(done.values()), None
+        if todo or verify_sample:
             connect(address, verbose)
+            pool = WorkerPool.ready(config, verbose)
             try:
-                stats += _dispatch(config, state, todo, len(plan.shards), len(stats), progress, verbose)
+                if todo:
+                    stats += _dispatch(config, pool, state, todo, len(plan.shards), len(stats), progress)
+                if verify_sample:
+                    checks = _verify(pool, planned, pick_rows(stats, verify_sample, config.generation.seed))
             except JobFailed:
                 write_report(state.store)  # what did commit, and every failed attempt
                 raise
+            finally:
+                pool.shutdown()
         run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done))
         summary = summarize(stats, run, safe_url(config.output.path))
         summary["skipped_files"] = [f._asdict() for f in plan.skipped_files]
+        if checks is not None:
+            summary["verify_sample"] = summarize_checks(checks)
         write_closing_files(state.store, stats, summary)
         write_report(state.store, stats)
         return summary
@@ -144,16 +168,9 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
         state.release()
 
 
-def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipped: int,
-              progress: bool, verbose: bool) -> list[ShardStats]:
+def _dispatch(config: JobConfig, pool: WorkerPool, state: JobState, todo: deque, total: int, skipped: int,
+              progress: bool) -> list[ShardStats]:
     """Keep every actor busy with one shard at a time until the queue is empty."""
-    pool = WorkerPool(config, worker_shape(config, ray.cluster_resources()), verbose)
-    try:  # a worker that cannot load its models fails the job now, with the worker's own error
-        devices = ray.get([actor.device.remote() for actor in pool.actors.values()])
-    except _WORKER_DEATHS as exc:
-        pool.shutdown()
-        raise JobFailed(f"workers could not start: {exc}") from None
-    log.info("workers ready on %s", ", ".join(devices))
     running: dict[ray.ObjectRef, tuple[str, ShardSpec, int]] = {}
     idle, results, failures = deque(pool.actors), [], []
     bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=config.name)
@@ -187,10 +204,19 @@ def _dispatch(config: JobConfig, state: JobState, todo: deque, total: int, skipp
                 bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.1f}", rows=sum(r.rows for r in results))
     finally:
         bar.close()
-        pool.shutdown()
     if failures:
         raise JobFailed("shards failed after every attempt (no _SUCCESS written):\n" + "\n".join(failures))
     return results
+
+
+def _verify(pool: WorkerPool, specs: dict[str, ShardSpec], picks: dict[str, list[int]]) -> list[RowCheck]:
+    """Each picked shard's rows regenerated without speculation on the workers, shards spread over them."""
+    actors = itertools.cycle(pool.actors.values())
+    refs = [next(actors).verify.remote(specs[shard_id], rows) for shard_id, rows in picks.items()]
+    try:
+        return [check for checks in ray.get(refs) for check in checks]
+    except _WORKER_DEATHS as exc:
+        raise JobFailed(f"--verify-sample could not finish: a worker died: {exc}") from None
 
 
 def _retry(config: JobConfig, state: JobState, todo: deque, failures: list[str], spec: ShardSpec, attempt: int,

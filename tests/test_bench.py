@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 import torch
 from tiny_models import save_model_dir, tiny_draft, tiny_llama, tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from jobs import gpu_check
 from jobs.bench import benchmark, run_bench
 from jobs.bench.cells import schedule
 from jobs.bench.config import BenchError, load_bench_config, resolve_device
@@ -61,6 +63,7 @@ def tiny_bench_config(model_dir: str, suite: Path, **over) -> dict:
         "reference_rows": 2,
         "prompt_lookup_num_tokens": 4,
         "pipeline": {"enabled": False},
+        "passes": {"batch_sizes": [1, 2], "widths": [1, 3], "repeats": 2},
     }
     return {**config, **over}
 
@@ -210,8 +213,17 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
     fixed2 = [r for r in mine if r["k"] == 2]
     assert all(len(r["accept_by_position"]) == 2 and sum(r["k_hist"]) == r["target_passes"] for r in fixed2)
 
+    passes = json.loads(pq.read_schema(out / "results.parquet").metadata[b"specbatch_bench"])["passes"]
+    assert [(p["batch_size"], p["width"]) for p in passes] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    for p in passes:   # one pass reads the weights at least: never under the floor
+        assert p["ms"] > 0 and p["transformers_ms"] > 0 and 0 < p["floor_fraction"] == pytest.approx(p["floor_ms"] / p["ms"])
+        assert p["vs_width_1"] == pytest.approx(p["ms"] / next(q["ms"] for q in passes if q["batch_size"] == p["batch_size"]
+                                                                   and q["width"] == 1))
+        assert (p["width"] == 1) == (p.get("prefill_tok_s", 0) > 0 and p.get("transformers_prefill_tok_s", 0) > 0)
+
     text = (out / "results.md").read_text()
     assert "specbatch bench --config tiny.yaml" in text and "report half" in text and "% floor" in text
+    assert "| prefill tok/s | transformers prefill tok/s |" in text
     assert "Goals (issues 12 and 13)" in text and "| rewriting | 1 | specbatch k=0 |" in text
     assert text in capsys.readouterr().out   # the table is printed too
 
@@ -250,3 +262,19 @@ def test_cuda_config_is_refused_without_a_gpu(tmp_path, capsys):
         resolve_device("cuda")
     code = run_bench(argparse.Namespace(config=str(CONFIGS / "bench-gpu.yaml"), quick=True, out=str(tmp_path / "o")))
     assert code == 2 and "device: cuda" in capsys.readouterr().err
+
+
+def test_gpu_check_script_runs_both_parts_and_reports_differences(model_dir, tmp_path, one_torch_thread):
+    """The GPU script, tried on the CPU with a tiny model: fp32 exactness cells, then the throughput bench."""
+    config = tiny_bench_config(model_dir, write_suite(tmp_path / "suite"), batch_sizes=[1],
+                               passes={"batch_sizes": [1], "widths": [1, 2], "repeats": 1})
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert gpu_check.main(["--config", str(path), "--out", str(tmp_path / "gpu"), "--device", "cpu"]) == 0
+    exact = pq.read_table(tmp_path / "gpu" / "fp32-exactness" / "results.parquet").to_pylist()
+    assert {r["batch_size"] for r in exact} <= {1, 16} and exact and all(r["rows_matching"] == r["rows_checked"] for r in exact)
+    assert (tmp_path / "gpu" / "bf16" / "results.md").stat().st_size > 0
+    row = {"family": "specbatch", "workload": "mix", "batch_size": 16, "system": "specbatch ngram k=4",
+           "rows_matching": 3, "rows_checked": 4, "rows_as_k0": 16, "rows": 16}
+    assert gpu_check.mismatches([row, {**row, "rows_matching": 4}]) == [
+        "mix batch 16 specbatch ngram k=4: 3/4 equal transformers, 16/16 equal k=0"]

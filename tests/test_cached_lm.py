@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.tiny_models import tiny_llama
-from workers.engine.cached_lm import CachedLM
+from workers.engine.cached_lm import CachedLM, length_groups
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.fused_decoder import FusedDecoder
 from workers.engine.linear import Linear, linear
@@ -97,3 +97,33 @@ def test_fp32_forward_matches_full_forward():
     for row, (prompt, step) in enumerate(zip(prompts, steps)):
         full = model(torch.tensor([prompt + step])).logits[0, len(prompt) - 1 :]
         torch.testing.assert_close(logits[row], full, rtol=1e-4, atol=1e-4)
+
+
+def test_length_groups_bound_the_padding():
+    assert length_groups([4, 4, 5, 5], 0.25) == [(0, 4)]
+    assert length_groups([2, 3, 10, 11, 40], 0.25) == [(0, 2), (2, 4), (4, 5)]
+    assert length_groups([0, 0, 7], 0.25) == [(0, 2), (2, 3)]
+    for lengths in ([1, 2, 3, 5, 8, 13, 21], [9] * 6, [1, 50, 51, 52]):
+        groups = length_groups(lengths, 0.25)
+        assert [i for a, b in groups for i in range(a, b)] == list(range(len(lengths)))
+        assert all(max(lengths[a:b]) * (b - a) <= 1.25 * max(sum(lengths[a:b]), 1) or b - a == 1 for a, b in groups)
+
+
+def test_grouped_chunked_prefill_equals_one_padded_pass():
+    """Prefill in length groups and chunks leaves the same cache and hidden states as one padded pass."""
+    model = tiny_llama(64, layers=2, seed=8, dtype=torch.float32)
+    prompts = [[3, 4, 5], [6, 7, 8, 9], list(range(10, 22)), list(range(20, 33)), list(range(30, 60))]
+    results = []
+    for chunk, waste in ((512, float("inf")), (5, 0.25)):
+        lm = CachedLM(DecodingModel.prepare(model), max_rows=6, capacity=64)
+        lm.prefill([[1, 2]], 0)  # a live row before them: the new rows go to slots 1..
+        hidden = lm.prefill(prompts, 1, chunk=chunk, waste=waste)
+        logits = lm.logits(torch.tensor([[p[-1]] for p in prompts]), 1)
+        results.append((hidden, logits))
+    (one_hidden, one_logits), (grouped_hidden, grouped_logits) = results
+    for row, prompt in enumerate(prompts):
+        cached = len(prompt) - 1
+        torch.testing.assert_close(grouped_hidden[row, :cached], one_hidden[row, :cached], rtol=1e-5, atol=1e-5)
+        full = model(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(grouped_logits[row, 0], full, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(grouped_logits[row, 0], one_logits[row, 0], rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -210,3 +211,25 @@ def test_setup_errors_stop_the_job_before_generating(model_dir, tmp_path, write_
     assert not (tmp_path / "o2" / "data").exists()
     with pytest.raises(InputError, match="in.parquet.*nope|nope.*in.parquet"):
         run_job(make_config(model_dir, path, str(tmp_path / "o3"), input={"prompt_column": "nope"}), progress=False)
+
+
+def test_verify_sample_reproduces_rows_without_speculation_and_names_a_row_that_differs(
+        model_dir, tmp_path, write_input, write_yaml, capsys):
+    path = write_input(str(tmp_path / "in.jsonl"), prompts(10))
+    config = make_config(model_dir, path, str(tmp_path / "out"), speculation={"k": "adaptive", "max_k": 4})
+    config_file = write_yaml(config)
+    assert main(["run", config_file, "--quiet", "--json", "--verify-sample", "6"]) == 0
+    verify = json.loads(capsys.readouterr().out)["verify_sample"]
+    assert verify["rows"] == 6 and verify["identical"] == 6 and verify["mismatches"] == [] and verify["tokens"] > 0
+    # Corrupt one committed row: the check, run again over the finished job, must name it and where.
+    first = sorted((tmp_path / "out" / "data").glob("*.parquet"))[0]
+    table = pq.read_table(first)
+    rows = table.to_pylist()
+    tokens = rows[1]["completion_token_ids"]
+    tokens[2] = (tokens[2] + 1) % 50
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), first)
+    assert main(["run", config_file, "--quiet", "--verify-sample", "10"]) == 4
+    out = capsys.readouterr().out
+    assert "verify-sample: 1 of 10 rows DIFFER" in out and f"id='{rows[1]['id']}' sample 0: token 2 is {tokens[2]}" in out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(m["id"], m["position"]) for m in summary["verify_sample"]["mismatches"]] == [(rows[1]["id"], 2)]

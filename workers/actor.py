@@ -9,6 +9,7 @@ from workers.config import JobConfig
 from workers.schemas import ShardStats
 from workers.shard_io import ShardSpec
 from workers.shard_runner import ShardRunner
+from workers.verify_sample import RowCheck
 
 
 class GenerationWorker:
@@ -20,6 +21,9 @@ class GenerationWorker:
 
     def run_shard(self, spec: ShardSpec, attempt: int, run_id: str) -> ShardStats:
         return self.runner.run(spec, attempt, run_id)
+
+    def verify(self, spec: ShardSpec, picks: list[int]) -> list[RowCheck]:
+        return self.runner.verify(spec, picks)
 
     def device(self) -> str:
         return str(self.runner.device)

@@ -19,6 +19,7 @@ from workers.registry import Models, encode_prompt, load_models, make_generator,
 from workers.schemas import ShardStats, output_schema
 from workers.shard_io import InputRow, ShardSpec, read_shard, write_shard_output
 from workers.storage import join, write_bytes_atomic
+from workers.verify_sample import RowCheck, check_rows
 
 
 def row_seed(job_seed: int, row_id: str, sample_index: int) -> int:
@@ -85,6 +86,15 @@ class ShardRunner:
         write_bytes_atomic(join(out.path, "stats", "parts", f"{spec.shard_id}.json"),
                            json.dumps(stats.to_dict()).encode(), out.storage_options)
         return stats
+
+    def verify(self, spec: ShardSpec, picks: list[int]) -> list[RowCheck]:
+        """Regenerate the picked output rows of a committed shard without speculation and compare them
+        with what the shard wrote (`specbatch run --verify-sample`)."""
+        requests, slots = self._requests(read_shard(spec, self.config.input, self.config.output.keep_columns))
+        queue = iter(requests)
+        by_row = [None if error else next(queue) for *_, error in slots]
+        out = self.config.output
+        return check_rows(self.generator, spec.shard_id, out.path, out.storage_options, by_row, picks)
 
     def _table(self, slots, completions) -> pa.Table:
         records = []

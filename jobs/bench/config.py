@@ -42,6 +42,14 @@ class PipelineBenchConfig(_Strict):
     rows_per_shard: int = Field(16, ge=1)
 
 
+class PassesBenchConfig(_Strict):
+    enabled: bool = True
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8, 16], min_length=1)
+    widths: list[int] = Field(default_factory=lambda: [1, 9], min_length=1)
+    repeats: int = Field(7, ge=1)
+    compile: bool = False   # also time model.compile's passes (the first ones compile: minutes on a small CPU)
+
+
 class BenchConfig(_Strict):
     model: BenchModelConfig = Field(default_factory=BenchModelConfig)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
@@ -66,6 +74,7 @@ class BenchConfig(_Strict):
     assistant_schedules: list[Literal["heuristic", "heuristic_transient", "constant"]] = Field(
         default_factory=lambda: ["heuristic", "constant"])
     pipeline: PipelineBenchConfig = Field(default_factory=PipelineBenchConfig)
+    passes: PassesBenchConfig = Field(default_factory=PassesBenchConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> BenchConfig:
@@ -124,8 +133,10 @@ def _against(folder: Path, value: str | None) -> str | None:
     return str(folder / value) if (folder / value).exists() else value
 
 
-def load_bench_config(source: str | Path | dict, quick: bool = False, split: str | None = None) -> BenchConfig:
-    """A BenchConfig from a YAML file or a dict; `quick` applies the `quick:` section on top, `split` overrides."""
+def load_bench_config(source: str | Path | dict, quick: bool = False, split: str | None = None,
+                      overrides: dict | None = None) -> BenchConfig:
+    """A BenchConfig from a YAML file or a dict; `quick` applies the `quick:` section on top, then `overrides`
+    (merged section by section) and `split`."""
     if isinstance(source, dict):
         data = dict(source)
     else:
@@ -142,6 +153,7 @@ def load_bench_config(source: str | Path | dict, quick: bool = False, split: str
     quick_section = data.pop("quick", None) or {}
     if quick:
         data = _merge(data, quick_section)
+    data = _merge(data, overrides or {})
     if split is not None:
         data["split"] = split
     try:

@@ -14,6 +14,7 @@ from jobs.bench.baselines import greedy_references
 from jobs.bench.cells import run_cells
 from jobs.bench.config import BenchConfig, BenchError, load_bench_config, resolve_device
 from jobs.bench.models import load_bench_models
+from jobs.bench.passes import probe_passes
 from jobs.bench.pipeline import run_pipeline
 from jobs.bench.report import load_average, machine_info, write_outputs
 from jobs.bench.roofline import Floor
@@ -42,6 +43,9 @@ def benchmark(cfg: BenchConfig, out: Path, command: str = "specbatch bench", qui
         checked = [p for prompts in workloads.values() for p in prompts[: cfg.reference_rows]]
         references = greedy_references(models, checked, cfg.max_new_tokens, log)
         results = run_cells(cfg, models, workloads, references, floor, log)
+    if cfg.passes.enabled:
+        prompts = [list(p.ids) for p in workloads.get("mix") or next(iter(workloads.values()))]
+        meta["passes"] = probe_passes(cfg.passes, models.by_drafter["none"].target, prompts, floor, models.pad_id, log)
     if cfg.pipeline.enabled:
         write_outputs(results, meta, cfg, time.perf_counter() - started, out)  # the cells survive a failing job
         try:

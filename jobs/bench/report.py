@@ -16,6 +16,7 @@ from jobs.bench.cells import exact
 from jobs.bench.config import BenchConfig
 from jobs.bench.fmt import num, percent
 from jobs.bench.goals import PER_CELL, Goal, goal_rows
+from jobs.bench.passes import passes_markdown
 from jobs.bench.plot import plot
 from jobs.bench.roofline import Floor
 from jobs.bench.systems import SPECBATCH
@@ -169,6 +170,8 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
         lines += [f"| {r['workload']} | {r['rows']} | {r['batch_size']} | {r['system']} | {num(r['tokens_per_s'])} | "
                   f"{num(r['wall_s'])} | {num(r.get('steady_tokens_per_s'))} | {num(r.get('startup_s'))} | "
                   f"{num(r.get('ratio_vs_direct'), 2)} | {r['rows_matching']}/{r['rows_checked']} |" for r in pipe]
+    if meta.get("passes"):
+        lines += [""] + passes_markdown(meta["passes"])
     goals = goal_rows(results, cfg)
     if goals:
         lines += [""] + _goal_tables(goals)

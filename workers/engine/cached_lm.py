@@ -10,6 +10,9 @@ import torch
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.kv_cache import SlotCache
 
+PREFILL_CHUNK = 512    # tokens per row per prefill pass
+PREFILL_WASTE = 0.25   # padding a prefill group may add, as a share of its rows' own tokens
+
 
 class SlotRows:
     """Per-slot cached lengths over a SlotCache: where each row's next tokens go and what they may see.
@@ -62,15 +65,45 @@ class CachedLM(SlotRows):
         """fp32 next-token logits (n, q, vocab) after feeding `tokens` (n, q)."""
         return self.model.logits(self.forward(tokens, start))
 
-    def prefill(self, prompts: list[list[int]], start: int) -> torch.Tensor | None:
+    def prefill(self, prompts: list[list[int]], start: int, chunk: int = PREFILL_CHUNK,
+                waste: float = PREFILL_WASTE) -> torch.Tensor | None:
         """Cache every prompt token but the last, which the first decoding step feeds. Returns the hidden
         states of the cached tokens (n, longest - 1, hidden; padding past each row's length), None when
-        no prompt has more than one token."""
-        self.lengths[start : start + len(prompts)] = 0
-        width = max(len(p) for p in prompts) - 1
+        no prompt has more than one token.
+
+        Rows are fed in groups of neighbouring slots whose padding to the group's longest row stays within
+        `waste` of their own tokens (callers admit rows sorted by length, so neighbours are alike), each
+        group in chunks of at most `chunk` tokens per row: no prompt pays for a much longer neighbour, and
+        a long prompt's attention scores never exceed chunk x its length."""
+        n, width = len(prompts), max(len(p) for p in prompts) - 1
+        self.lengths[start : start + n] = 0
         hidden = None
-        if width > 0:
-            pad = [p[:-1] + [p[-1]] * (width - len(p) + 1) for p in prompts]
-            hidden = self.forward(torch.tensor(pad), start)
-        self.lengths[start : start + len(prompts)] = torch.tensor([len(p) - 1 for p in prompts])
+        for first, last in length_groups([len(p) - 1 for p in prompts], waste):
+            group_width = max(len(p) for p in prompts[first:last]) - 1
+            if group_width <= 0:
+                continue
+            pad = torch.tensor([p[:-1] + [p[-1]] * (group_width - len(p) + 1) for p in prompts[first:last]])
+            for begin in range(0, group_width, chunk):
+                out = self.forward(pad[:, begin : begin + chunk], start + first)
+                if hidden is None:
+                    hidden = out.new_zeros(n, width, out.shape[-1])
+                hidden[first:last, begin : begin + out.shape[1]] = out
+                self.lengths[start + first : start + last] += out.shape[1]
+        self.lengths[start : start + n] = torch.tensor([len(p) - 1 for p in prompts])
         return hidden
+
+
+
+def length_groups(lengths: list[int], waste: float) -> list[tuple[int, int]]:
+    """Ranges [first, last) of neighbouring rows, each padded to its longest costing at most `waste` more
+    tokens than its rows hold; a range grows while it stays within that."""
+    groups, first = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or _padded(lengths[first : i + 1]) > (1 + waste) * max(sum(lengths[first : i + 1]), 1):
+            groups.append((first, i))
+            first = i
+    return groups
+
+
+def _padded(lengths: list[int]) -> int:
+    return max(lengths) * len(lengths)

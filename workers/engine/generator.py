@@ -148,7 +148,7 @@ class SpeculativeGenerator:
         verdict, lens, width = self._verify(batch, proposal)
         verified = time.perf_counter()
         accepted = verdict.accepted.tolist()
-        stats.record(plan.width, lens, accepted)
+        stats.record(width, lens, accepted)
         if proposal is not None:
             passes = proposal.passes
             stats.draft_passes += plan.width * self.drafter.passes_per_token if passes is None else passes

@@ -21,7 +21,8 @@ class LiveBatch:
         return len(self.rows)
 
     def admit(self, admitted: list[tuple[int, Row]]) -> None:
-        """Prefill the new rows into the next free slots."""
+        """Prefill the new rows into the next free slots, shortest first (prefill groups neighbours by length)."""
+        admitted = sorted(admitted, key=lambda item: len(item[1].tokens))
         start, rows = len(self.rows), [row for _, row in admitted]
         hidden = self.target.prefill([r.tokens for r in rows], start)
         self.drafter.admit(rows, start, hidden)

@@ -30,7 +30,7 @@ class GenerationStats:
         self.k_hist = np.zeros(self.max_k + 1, dtype=np.int64)
 
     def record(self, k: int, draft_lens: list[int], accepted: list[int]) -> None:
-        """One verify pass: the batch's k, and per row the drafts it verified and accepted."""
+        """One verify pass: its k (the longest draft it verified), and per row the drafts it verified and accepted."""
         self.target_passes += 1
         self.row_passes += len(accepted)
         self.k_hist[k] += 1
