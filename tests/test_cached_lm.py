@@ -14,13 +14,19 @@ from workers.engine.linear import Linear, linear
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def cached_lm(model, fused: bool, monkeypatch, max_rows: int, capacity: int) -> CachedLM:
+    """A CachedLM over the fused decoder, or (fused False) over transformers' own decoder modules."""
+    if not fused:
+        monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda m: False))
+    lm = CachedLM(DecodingModel.prepare(model), max_rows=max_rows, capacity=capacity)
+    assert (lm.model.fused is not None) == fused
+    return lm
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_rows_of_different_lengths_match_full_forward(fused, monkeypatch):
     model = tiny_llama(64, layers=2, seed=3)
-    if not fused:
-        monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda m: False))
-    lm = CachedLM(DecodingModel.prepare(model), max_rows=3, capacity=64)
-    assert (lm.model.fused is not None) == fused
+    lm = cached_lm(model, fused, monkeypatch, max_rows=3, capacity=64)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
     steps = [[20, 21, 22], [23, 24, 25], [26, 27, 28]]
     lm.prefill(prompts, 0)
@@ -38,9 +44,7 @@ def test_rows_of_different_lengths_match_full_forward(fused, monkeypatch):
 def test_rows_of_equal_length_write_one_slice_and_skip_the_mask(fused, monkeypatch):
     """Equal lengths take the slice write; a width-1 step over them runs without a mask."""
     model = tiny_llama(64, layers=2, seed=7)
-    if not fused:
-        monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda m: False))
-    lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)
+    lm = cached_lm(model, fused, monkeypatch, max_rows=2, capacity=32)
     prompts = [[5, 6, 7, 8], [11, 12, 13, 14]]
     lm.prefill(prompts, 0)
     wide = lm.logits(torch.tensor([[8, 20, 21], [14, 22, 23]]))

@@ -20,6 +20,7 @@ import torch
 from tests.test_generator import GREEDY, draft, make_drafter, prompt_ids, references, requests_for, target, tok  # noqa: F401
 from tests.test_generator import MAX_K as GEN_MAX_K
 from tests.test_generator import MAX_NEW as GEN_MAX_NEW
+from tests.pipeline_helpers import make_config
 from tests.tiny_models import OracleDrafter, StubTokenizer, tiny_llama
 from workers.engine.controller import AdaptiveK, Controller, CostModel, FixedK, StepRecord
 from workers.engine.decoding_model import DecodingModel
@@ -28,6 +29,7 @@ from workers.engine.generator import GenerationSettings, Request, SpeculativeGen
 from workers.engine.model_drafter import ModelDrafter
 from workers.engine.offers import best_offers, pass_rates
 from workers.engine.sampling import verify_greedy
+from workers.registry import load_models, make_generator
 
 
 def leviathan(alpha: float, k: int) -> float:
@@ -563,3 +565,17 @@ def test_model_drafter_stops_early_on_low_confidence_and_stays_lossless(tok, tar
     assert full > 0 and stats.draft_passes == sum(min(int(r.offered.max()), 3) for r in drafting)
     assert stats.draft_passes < runs["fixed"][0].draft_passes
     assert stats.accepted_tokens > 0
+
+
+def test_adaptive_generators_over_the_same_models_share_measured_costs(model_dir):
+    """Pass costs are facts of the models on this device: every adaptive generator built over the same loaded
+    models (a worker's shards, the bench's runs) keeps one cost table; fixed k measures nothing."""
+    config = make_config(model_dir, "in.jsonl", "out", speculation={"k": "adaptive", "max_k": 3})
+    models = load_models(config, torch.device("cpu"))
+    first, second = make_generator(config, models), make_generator(config, models)
+    first.generate([Request("a", [5, 6, 7, 8, 5, 6, 7], 0)])
+    assert second.controller.costs is first.controller.costs is models.costs and models.costs.cells
+    fixed = make_generator(make_config(model_dir, "in.jsonl", "out", speculation={"k": 2}), models)
+    cells = dict(models.costs.cells)
+    fixed.generate([Request("b", [9, 10, 11], 0)])
+    assert isinstance(fixed.controller, FixedK) and models.costs.cells == cells

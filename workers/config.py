@@ -144,7 +144,9 @@ class ModelConfig(_Section):
         "written in the job), `model` (a small draft model at model.draft), `mtp` (an MTP head made by `specbatch distill`, at model.draft), or a list such as `[suffix, ngram]`: "
         "per row, the first drafter in the list with a confident proposal drafts"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="`auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`")
+        "auto", description=(
+        "`auto` (the checkpoint's dtype where the device computes in it natively, else fp32; see Dtypes below), "
+        "`float32`, `bfloat16`, `float16`"))
     trust_remote_code: bool = Field(False, description="passed to transformers")
     compile: bool = Field(False, description=(
         "torch.compile the decoder layers (Llama-family models): fuses the elementwise work between matmuls; "

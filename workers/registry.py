@@ -7,14 +7,14 @@ how to load them next to the target: adding a drafter is one `register_drafter` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from workers.config import JobConfig, SpeculationConfig
 from workers.engine.composed_drafter import ComposedDrafter
-from workers.engine.controller import AdaptiveK, Controller, FixedK
+from workers.engine.controller import AdaptiveK, Controller, CostModel, FixedK
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import Drafter, NoDrafter
 from workers.engine.generator import GenerationSettings, SpeculativeGenerator
@@ -34,6 +34,8 @@ class Models:
     target: DecodingModel
     tokenizer: Any
     draft: Any = None
+    costs: CostModel = field(default_factory=CostModel)  # measured pass costs: facts of these models on this device,
+                                                         # kept by every adaptive generator built over them
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,9 @@ def make_drafter(name: str | list[str], models: Models, speculation: Speculation
     return DRAFTERS[name].build(models, speculation, sampling)
 
 
-def make_controller(k: int | str, max_k: int, rows: int) -> Controller:
-    """`adaptive` or a fixed k."""
-    return AdaptiveK(max_k, rows) if k == "adaptive" else FixedK(int(k))
+def make_controller(k: int | str, max_k: int, rows: int, costs: CostModel | None = None) -> Controller:
+    """`adaptive` (over the given cost table, else a new one) or a fixed k."""
+    return AdaptiveK(max_k, rows, costs) if k == "adaptive" else FixedK(int(k))
 
 
 def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
@@ -107,7 +109,7 @@ def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
                                   batch_size=config.resources.batch_size, max_k=max_k, overlong=config.input.overlong,
                                   logprobs=g.logprobs)
     return SpeculativeGenerator(models.target, models.tokenizer, make_drafter(config.model.drafter, models, s, sampling),
-                                make_controller(s.k, max_k, config.resources.batch_size), settings)
+                                make_controller(s.k, max_k, config.resources.batch_size, models.costs), settings)
 
 
 def encode_prompt(tokenizer: Any, prompt: str | None, messages: list[dict] | None, chat_template: bool) -> list[int]:
