@@ -16,7 +16,7 @@ from workers.config import JobConfig, SpeculationConfig
 from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.controller import AdaptiveK, Controller, CostModel, FixedK
 from workers.engine.decoding_model import DecodingModel
-from workers.engine.drafter import Drafter, NoDrafter
+from workers.engine.drafter import DEFAULT_PRIOR, Drafter, NoDrafter
 from workers.engine.generator import GenerationSettings, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
 from workers.engine.mtp_drafter import MTPDrafter
@@ -96,9 +96,10 @@ def make_drafter(name: str | list[str], models: Models, speculation: Speculation
     return DRAFTERS[name].build(models, speculation, sampling)
 
 
-def make_controller(k: int | str, max_k: int, rows: int, costs: CostModel | None = None) -> Controller:
-    """`adaptive` (over the given cost table, else a new one) or a fixed k."""
-    return AdaptiveK(max_k, rows, costs) if k == "adaptive" else FixedK(int(k))
+def make_controller(k: int | str, max_k: int, rows: int, costs: CostModel | None = None,
+                    prior: tuple[tuple[float, ...], tuple[float, ...]] = DEFAULT_PRIOR) -> Controller:
+    """`adaptive` (over the given cost table, else a new one; starting from the drafter's prior) or a fixed k."""
+    return AdaptiveK(max_k, rows, costs, prior) if k == "adaptive" else FixedK(int(k))
 
 
 def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
@@ -108,8 +109,9 @@ def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
     settings = GenerationSettings(max_new_tokens=g.max_new_tokens, sampling=sampling, stop=tuple(g.stop),
                                   batch_size=config.resources.batch_size, max_k=max_k, overlong=config.input.overlong,
                                   logprobs=g.logprobs)
-    return SpeculativeGenerator(models.target, models.tokenizer, make_drafter(config.model.drafter, models, s, sampling),
-                                make_controller(s.k, max_k, config.resources.batch_size, models.costs), settings)
+    drafter = make_drafter(config.model.drafter, models, s, sampling)
+    controller = make_controller(s.k, max_k, config.resources.batch_size, models.costs, drafter.acceptance_prior)
+    return SpeculativeGenerator(models.target, models.tokenizer, drafter, controller, settings)
 
 
 def encode_prompt(tokenizer: Any, prompt: str | None, messages: list[dict] | None, chat_template: bool) -> list[int]:

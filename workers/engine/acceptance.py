@@ -3,9 +3,11 @@
 Two events per draft position j (1-based), each a Bernoulli trial: the drafter REACHES j (it proposes
 position j, given it was offered j and proposed j - 1: an n-gram may find no match, a confidence stop
 may end the draft) and the target ACCEPTS j (given j was proposed and j - 1 accepted). Estimates are
-decayed hits / tries over a prior worth `prior_tries` tries; a position's prior is the estimate of the
-position before it (a copied span rarely gets worse as it goes on), so positions not tried yet are
-judged by the last ones that were. Position 1 (whether the row drafts usefully at all) takes its prior
+decayed hits / tries over a prior worth `prior_tries` tries. Each position has a prior of its own (a
+drafter that matched position 1 usually goes on: the conditional odds deeper in a draft are higher),
+lifted or lowered by as much as the slot's estimate beat or missed the prior at the position before
+(a copied span rarely gets worse as it goes on), so positions not tried yet are judged by the last ones
+that were. Position 1 (whether the row drafts usefully at all) takes its prior
 lightly (`prior_tries`); later positions lean on the position before harder (`chain_tries`), since
 one miss deep in a copied span says little about the span.
 
@@ -32,18 +34,25 @@ class Estimates:
         self.weight = np.full((max_rows, len(decays)), 1.0 / len(decays))
 
     def scales(self, n: int, prior: np.ndarray) -> np.ndarray:
-        """(scales, n, 2, max_k) estimates of the first n slots; `prior` (2,) is the prior at position 1.
+        """(scales, n, 2, max_k) estimates of the first n slots; `prior` (2, max_k) is the prior per position
+        (a (2,) prior holds for every position).
 
-        The slowest scale (the last) chains each position's prior from the position before. A faster
-        scale's prior is the slowest scale's estimate, shifted (in log-odds) by as much as the faster
-        scale differs from it at the position before: a row that has just started copying is trusted
-        further along the span at once, while a position that failed stays remembered as failed."""
+        The slowest scale (the last) takes each position's prior shifted (in log-odds) by as much as the
+        slot's estimate differs from the prior at the position before: a slot that copies is trusted further
+        along the span than the prior, one that misses less (with one prior for every position, this is the
+        estimate of the position before). A faster scale's prior is the slowest scale's estimate, shifted
+        by as much as the faster scale differs from it at the position before: a row that has just started
+        copying is trusted further along the span at once, while a position that failed stays remembered
+        as failed."""
         hits, tries = self.hits[:, :n], self.tries[:, :n]
         weights = [self.prior_tries] + [np.full_like(self.prior_tries, self.chain_tries)] * (hits.shape[-1] - 1)
         out = np.empty_like(hits)
-        before = np.broadcast_to(prior, hits.shape[1:-1])
+        prior = _logit(np.broadcast_to(np.asarray(prior, float).reshape(2, -1), (2, hits.shape[-1])))
+        lift = np.zeros(hits.shape[1:-1])
         for j, m in enumerate(weights):
-            out[-1, ..., j] = before = (hits[-1, ..., j] + m[-1] * before) / (tries[-1, ..., j] + m[-1])
+            before = 1.0 / (1.0 + np.exp(-(prior[:, j] + lift)))
+            out[-1, ..., j] = (hits[-1, ..., j] + m[-1] * before) / (tries[-1, ..., j] + m[-1])
+            lift = _logit(out[-1, ..., j]) - prior[:, j]
         shift = np.zeros_like(out[:-1, ..., 0])
         for j, m in enumerate(weights):
             slow = _logit(out[-1, ..., j])

@@ -17,6 +17,7 @@ import numpy as np
 
 from workers.engine.acceptance import ACCEPT, Estimates, trials
 from workers.engine.draft_stop import DraftStop
+from workers.engine.drafter import DEFAULT_PRIOR
 from workers.engine.offers import best_offers, pass_rates
 
 log = logging.getLogger(__name__)
@@ -112,19 +113,20 @@ class CostModel:
 class AdaptiveK(Controller):
     """Per-row offers with the most predicted tokens per second, held until another plan is predicted
     `margin` better (so noise does not flap them). A row's prior is the worker's estimates, a worker's
-    prior is `prior` (reach, accept) at position 1: the accept prior is the pooled position-1 acceptance of
-    prompt lookup over the workload suite's tune half (0.12-0.61 by category), so a cold controller starts
-    near k = 0 on open text, where the free shadow guesses (see generator) soon show a copying row. Where no row has tried position 1 for `explore_every` steps (a draft model at k = 0
-    gets no free guesses), every row is offered one position, so speculation can come back; where such a
+    prior is the drafter's `acceptance_prior` (workers/engine/drafter.py): a cold controller starts near
+    k = 0 on open text, where the free shadow guesses (see generator) soon show a copying row, and a copying
+    drafter's row that starts to match is trusted deep into the span at once. Where no row has tried position 1 for `explore_every` steps (a draft model at k = 0 gets no free
+    guesses), every row is offered one position, so speculation can come back; where such a
     probe costs much more than a plain pass, less often, so that probes take at most `probe_share` of
     the time."""
 
     def __init__(self, max_k: int, max_rows: int, costs: CostModel | None = None,
-                 prior: tuple[float, float] = (0.6, 0.35),
+                 prior: tuple[tuple[float, ...], tuple[float, ...]] = DEFAULT_PRIOR,
                  row_decays: tuple[float, ...] = (0.7, 0.98), row_prior_tries: tuple[float, ...] = (0.5, 2.0),
                  chain_tries: float = 4.0, worker_decay: float = 0.99, share: float = 0.01, margin: float = 0.02,
                  explore_every: int = 16, probe_share: float = 0.02):
-        self.max_k, self.costs, self.prior, self.margin = max_k, costs or CostModel(), prior, margin
+        self.max_k, self.costs, self.margin = max_k, costs or CostModel(), margin
+        self.prior = np.array([[p[min(j, len(p) - 1)] for j in range(max_k)] for p in prior])  # (2, max_k)
         self.explore_every, self.probe_share = explore_every, probe_share
         self.rows = Estimates(max_rows, max_k, row_decays, row_prior_tries, chain_tries, share)
         self.worker = Estimates(1, max_k, (worker_decay,), (row_prior_tries[-1],), chain_tries)
@@ -135,12 +137,12 @@ class AdaptiveK(Controller):
 
     def worker_estimates(self) -> np.ndarray:
         """(2, max_k): the worker's reach and accept estimates per position."""
-        return self.worker.mixed(1, np.array(self.prior))[0]
+        return self.worker.mixed(1, self.prior)[0]
 
     def model(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(gain, reach), each (n, max_k): the probability that row r's draft is accepted up to position
         j, and that it reaches position j."""
-        est = self.rows.mixed(n, self.worker_estimates()[:, 0])
+        est = self.rows.mixed(n, self.worker_estimates())
         reach = np.cumprod(est[:, 0], axis=1)
         return reach * np.cumprod(est[:, ACCEPT], axis=1), reach
 
@@ -174,8 +176,8 @@ class AdaptiveK(Controller):
         n = len(step.offered)
         self.costs.observe(n, step.width, step.verify_s, step.width - 1, step.draft_s)
         hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
-        self.rows.observe(hits, tries, self.worker_estimates()[:, 0])
-        self.worker.observe(hits.sum(0, keepdims=True), tries.sum(0, keepdims=True), np.array(self.prior))
+        self.rows.observe(hits, tries, self.worker_estimates())
+        self.worker.observe(hits.sum(0, keepdims=True), tries.sum(0, keepdims=True), self.prior)
         self.unprobed = 0 if tries[:, :, 0].any() else self.unprobed + 1
         if step.confidence is not None:
             tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool)

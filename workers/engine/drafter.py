@@ -48,11 +48,22 @@ def pack(drafts: list[list[int]], k: int) -> Proposal:
     return Proposal(tokens, lengths)
 
 
+# What the adaptive controller expects of a drafter before it has seen one draft: (reach by position),
+# (accept by position), positions past the last listed taking the last (workers/engine/acceptance.py).
+# Position 1 is the pooled acceptance of prompt lookup at position 1 over the workload suite's tune half
+# (0.12-0.61 by category). A copying drafter (n-gram, suffix) that matched position 1 usually goes on, and
+# the target accepts the span's next tokens far more often than its first: the tune half's pooled
+# conditional acceptance at positions 2-8 is 0.8-1.0, hence COPY_PRIOR's 0.8.
+DEFAULT_PRIOR = ((0.6,), (0.35,))
+COPY_PRIOR = ((0.6, 0.95), (0.35, 0.8))
+
+
 class Drafter:
     """Base class. `propose` is the one method every drafter has; the rest keep per-slot state in step."""
 
     name = "none"
     passes_per_token = 0  # draft forward passes per proposed token (1 for a draft model, 0 model-free)
+    acceptance_prior = DEFAULT_PRIOR
 
     def start(self, max_rows: int, capacity: int) -> None:
         """A generate() call begins with room for `max_rows` rows of up to `capacity` tokens."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.engine.drafter import Drafter, Proposal, Row, pack
+from workers.engine.drafter import COPY_PRIOR, Drafter, Proposal, Row, pack
 
 
 @dataclass
@@ -24,6 +24,7 @@ class NgramDrafter(Drafter):
     """Searches the row's prompt and output so far, longest n first. Model-free; costs microseconds."""
 
     name = "ngram"
+    acceptance_prior = COPY_PRIOR
 
     def __init__(self, ngram_size: int = 3):
         self.ngram_size = ngram_size

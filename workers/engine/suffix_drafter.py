@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 
-from workers.engine.drafter import Drafter, Proposal, Row, pack
+from workers.engine.drafter import COPY_PRIOR, Drafter, Proposal, Row, pack
 from workers.engine.suffix_index import Stream, SuffixIndex
 
 
 class SuffixDrafter(Drafter):
     name = "suffix"
+    acceptance_prior = COPY_PRIOR
 
     def __init__(self, max_tokens: int, depth: int = 16, min_prob: float = 0.1, spec_factor: float = 1.0):
         self.index = SuffixIndex(max_tokens, depth)
