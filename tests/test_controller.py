@@ -284,6 +284,60 @@ def simulate(controller, phase_at, n: int, steps: int, verify, draft, rng, shado
     return trace
 
 
+def drain(controller, goes_on: np.ndarray, accept: np.ndarray, budget: int, verify, rng, draining: bool) -> float:
+    """Seconds until a batch with no prompt waiting finishes: rows (goes_on and accept per row and position, as
+    in simulate) leave when they have generated `budget` tokens and the rows after them move down a slot, as
+    in the generator. `draining` shows the controller each row's remaining budget."""
+    rows, left, seconds, position = list(range(len(goes_on))), np.full(len(goes_on), budget), 0.0, np.arange(MAX_K)
+    while rows:
+        n = len(rows)
+        offers = np.minimum(controller.choose(n, left[rows] if draining else None), left[rows] - 1)
+        tried = offers if offers.any() else np.ones(n, dtype=int)
+        drafted = (np.cumprod(rng.random((n, MAX_K)) < goes_on[rows], 1) * (position < tried[:, None])).sum(1)
+        accepted = (np.cumprod(rng.random((n, MAX_K)) < accept[rows], 1) * (position < drafted[:, None])).sum(1)
+        width = int(drafted.max()) if offers.any() else 0
+        controller.observe(StepRecord(tried, drafted, accepted, width + 1, 0.0, verify(n, width + 1)))
+        seconds += verify(n, width + 1)
+        left[rows] -= 1 + (accepted if offers.any() else 0)
+        done = left[rows] <= 0
+        for dst, src in enumerate([slot for slot in range(n) if not done[slot]]):
+            controller.move(src, dst)
+        rows = [row for row, finished in zip(rows, done) if not finished]
+    return seconds
+
+
+@pytest.mark.parametrize("copying", [1, 4])
+def test_a_draining_batch_drafts_for_the_rows_it_waits_for(copying):
+    """No prompt waits: the batch ends with its slowest row. With one copying row among rows that find no
+    match, widening every pass for the copier only makes the others (who set the end) wait, so seeing the
+    budgets finishes sooner; when every row copies, speculation still pays and is kept."""
+    n, budget = 4, 32
+    goes_on = np.array([[1.0] * MAX_K] * copying + [[0.0] * MAX_K] * (n - copying))
+    accept = np.full((n, MAX_K), 0.95)
+    verify = linear(1.0, 0.05)
+    seconds = {mode: np.mean([drain(AdaptiveK(MAX_K, n, costs=SyntheticCosts(verify, lambda n, k: 0.0)), goes_on,
+                                    accept, budget, verify, np.random.default_rng(seed), mode == "drain")
+                              for seed in range(6)]) for mode in ("drain", "throughput")}
+    plain = budget * verify(n, 1)
+    if copying == 1:
+        assert seconds["drain"] < 0.95 * seconds["throughput"], seconds
+        assert seconds["drain"] <= 1.01 * plain
+    else:
+        assert seconds["drain"] <= 1.02 * seconds["throughput"] and seconds["drain"] < 0.7 * plain, seconds
+
+
+def test_cost_model_tries_wider_passes_before_it_has_measured_them():
+    """Only width-1 passes measured (at several row counts, as a batch drains): a further column is assumed
+    to cost `column_share` of a width-1 pass, not a guess from a fit that cannot separate rows from columns."""
+    costs = CostModel(column_share=0.1)
+    for n in (16, 15, 14):
+        costs.observe(n, 1, 0.1 + 0.01 * n, 0, 0.0)
+    assert costs.verify(16, 3) == pytest.approx(0.26 * 1.2)
+    assert costs.verify(8, 2) == pytest.approx(costs.verify(8, 1) * 1.1)
+    costs.observe(16, 5, 0.5, 4, 0.0)      # one wider pass measured: its slope takes over
+    assert costs.verify(16, 3) == pytest.approx((0.26 + 0.5) / 2)
+
+
 def constant(alpha_rows: np.ndarray, goes_on: np.ndarray | None = None):
     return lambda t: (np.ones_like(alpha_rows) if goes_on is None else goes_on, alpha_rows)
 
@@ -554,7 +608,7 @@ class Staggered(Controller):
     def __init__(self, max_k: int):
         self.max_k, self.steps, self.records = max_k, 0, []
 
-    def choose(self, n_rows: int) -> np.ndarray:
+    def choose(self, n_rows: int, remaining: np.ndarray | None = None) -> np.ndarray:
         self.steps += 1
         return (np.arange(n_rows) * 2 + self.steps) % (self.max_k + 1)
 

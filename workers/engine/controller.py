@@ -18,7 +18,7 @@ import numpy as np
 from workers.engine.acceptance import ACCEPT, Estimates, trials
 from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import DEFAULT_PRIOR
-from workers.engine.offers import best_offers, pass_rates
+from workers.engine.offers import best_offers, drain_weights, pass_rates
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ class Controller:
     """Base class: `choose` each row's draft length for the next step; the hooks feed it what happened
     and keep per-slot state in step with the live batch (no-ops here)."""
 
-    def choose(self, n_rows: int) -> np.ndarray:
-        """(n_rows,) ints: the positions each row may draft."""
+    def choose(self, n_rows: int, remaining: np.ndarray | None = None) -> np.ndarray:
+        """(n_rows,) ints: the positions each row may draft. `remaining` (n_rows,): the tokens each row may
+        still generate, given only while the batch drains (no prompt waits for a slot)."""
         raise NotImplementedError
 
     def draft_stop(self) -> DraftStop | None:
@@ -61,19 +62,23 @@ class FixedK(Controller):
     def __init__(self, k: int):
         self.k = k
 
-    def choose(self, n_rows: int) -> np.ndarray:
+    def choose(self, n_rows: int, remaining: np.ndarray | None = None) -> np.ndarray:
         return np.full(n_rows, self.k)
 
 
 class CostModel:
     """Verify time by (rows, width) from measured cell means, interpolated between measured widths and
     extended past them along the last measured slope; a least-squares fit t = a + b*n + c*n*w covers
-    row counts not measured yet. Draft time per drafted column is a running mean. A test may inject
-    any object with the same observe / verify / draft methods."""
+    row counts not measured yet. Until passes of more than one width have been measured, a further column
+    is taken to cost `column_share` of a width-1 pass: optimistic (a pass that reads the weights once costs
+    little more per column), so a controller whose rows would gain tries a wider pass and measures the truth,
+    instead of never leaving k = 0 on a guess. Draft time per drafted column is a running mean. A test may
+    inject any object with the same observe / verify / draft methods."""
 
-    def __init__(self):
+    def __init__(self, column_share: float = 0.1):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
-        self.coef = np.array([1.0, 0.0, 0.1])
+        self.coef = np.array([1.0, 0.0, 0.0])
+        self.column_share = column_share
         self.draft_per_column = 0.0
 
     def observe(self, n: int, width: int, verify_s: float, columns: int, draft_s: float) -> None:
@@ -82,7 +87,7 @@ class CostModel:
         self.cells[(n, width)] = (mean + weight * (verify_s - mean), count + 1)
         if columns:
             self.draft_per_column += 0.1 * (draft_s / columns - self.draft_per_column)
-        if len({w for _, w in self.cells}) > 1 or len(self.cells) > 2:
+        if len(self.cells) > 1:
             keys = list(self.cells)
             x = np.array([[1.0, n, n * w] for n, w in keys])
             y = np.array([self.cells[key][0] for key in keys])
@@ -90,13 +95,19 @@ class CostModel:
             coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
             self.coef = np.maximum(coef, [1e-6, 0.0, 1e-9])
 
+    def _widths_measured(self) -> bool:
+        return len({w for _, w in self.cells}) > 1
+
     def verify(self, n: int, width: int) -> float:
         measured = sorted((w, t) for (rows, w), (t, _) in self.cells.items() if rows == n)
         if not measured:
-            return float(self.coef @ [1.0, n, n * width])
+            if self._widths_measured():
+                return float(self.coef @ [1.0, n, n * width])
+            base = float(self.coef @ [1.0, n, n])
+            return base * (1.0 + self.column_share * (width - 1))
         widths, times = np.array([w for w, _ in measured], float), np.array([t for _, t in measured])
         if len(measured) == 1:
-            slope = self.coef[2] * n
+            slope = self.coef[2] * n if self._widths_measured() else self.column_share * times[0] / widths[0]
         else:
             end = -1 if width >= widths[-1] else 1
             pair = slice(-2, None) if end == -1 else slice(0, 2)
@@ -151,13 +162,14 @@ class AdaptiveK(Controller):
         verify = np.array([self.costs.verify(n, w) for w in range(1, self.max_k + 2)])
         return float(verify[0]), np.maximum(np.diff(verify), 0.0) + self.costs.draft(n, 1)
 
-    def choose(self, n_rows: int) -> np.ndarray:
+    def choose(self, n_rows: int, remaining: np.ndarray | None = None) -> np.ndarray:
         if self.max_k == 0:
             return np.zeros(n_rows, dtype=int)
         gain, reach = self.model(n_rows)
         base, column = self.pass_costs(n_rows)
-        offers, rate = best_offers(gain, reach, base, column)
-        held_rate = float(pass_rates(self.held[:n_rows], gain, reach, base, column))
+        weight = None if remaining is None else drain_weights(gain, remaining)
+        offers, rate = best_offers(gain, reach, base, column, weight)
+        held_rate = float(pass_rates(self.held[:n_rows], gain, reach, base, column, weight))
         if rate > held_rate * (1 + self.margin):
             self.held[:n_rows], held_rate = offers, rate
         chosen = self.held[:n_rows].copy()

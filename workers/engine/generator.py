@@ -137,11 +137,11 @@ class SpeculativeGenerator:
                 batch.admit([(i, Row(list(r.prompt_ids), len(r.prompt_ids), r.seed)) for i, r in admitted])
                 stats.prompt_tokens += sum(len(r.prompt_ids) for _, r in admitted)
                 stats.prefill_s += time.perf_counter() - started
-            self._step(batch, results, stats)
+            self._step(batch, results, stats, draining=not waiting)
 
-    def _step(self, batch: LiveBatch, results: list[Completion | None], stats: GenerationStats) -> None:
+    def _step(self, batch: LiveBatch, results: list[Completion | None], stats: GenerationStats, draining: bool) -> None:
         rows = batch.rows
-        plan = self._plan(rows)
+        plan = self._plan(rows, draining)
         started = time.perf_counter()
         proposal, shadow = self._draft(rows, plan)
         drafted = time.perf_counter()
@@ -166,10 +166,11 @@ class SpeculativeGenerator:
                                            None if confidence is None else confidence.numpy()))
         self._accept(batch, verdict, results, stats)
 
-    def _plan(self, rows: list[Row]) -> _Plan:
-        """The controller's per-row offers, capped by the tokens each row may still generate."""
+    def _plan(self, rows: list[Row], draining: bool) -> _Plan:
+        """The controller's per-row offers, capped by the tokens each row may still generate; while the batch
+        drains the controller also sees those budgets (the batch ends with its slowest row)."""
         budgets = np.array([self.settings.max_new_tokens - r.generated - 1 for r in rows]).clip(min=0)
-        offered = np.minimum(self.controller.choose(len(rows)), budgets)
+        offered = np.minimum(self.controller.choose(len(rows), budgets + 1 if draining else None), budgets)
         return _Plan(offered.tolist(), self.controller.draft_stop(), np.minimum(budgets, 1).tolist())
 
     def _draft(self, rows: list[Row], plan: _Plan) -> tuple[Proposal | None, Proposal | None]:
