@@ -32,6 +32,7 @@ class Estimates:
         self.hits = np.zeros((len(decays), max_rows, 2, max_k))
         self.tries = np.zeros_like(self.hits)
         self.weight = np.full((max_rows, len(decays)), 1.0 / len(decays))
+        self._last: tuple[tuple[int, bytes], np.ndarray] | None = None  # a step asks twice for the same state
 
     def scales(self, n: int, prior: np.ndarray) -> np.ndarray:
         """(scales, n, 2, max_k) estimates of the first n slots; `prior` (2, max_k) is the prior per position
@@ -44,6 +45,9 @@ class Estimates:
         by as much as the faster scale differs from it at the position before: a row that has just started
         copying is trusted further along the span at once, while a position that failed stays remembered
         as failed."""
+        key = (n, np.asarray(prior, float).tobytes())
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
         hits, tries = self.hits[:, :n], self.tries[:, :n]
         weights = [self.prior_tries] + [np.full_like(self.prior_tries, self.chain_tries)] * (hits.shape[-1] - 1)
         out = np.empty_like(hits)
@@ -59,6 +63,7 @@ class Estimates:
             prior_j = 1.0 / (1.0 + np.exp(-(slow + shift)))
             out[:-1, ..., j] = (hits[:-1, ..., j] + m[:-1] * prior_j) / (tries[:-1, ..., j] + m[:-1])
             shift = _logit(out[:-1, ..., j]) - slow
+        self._last = (key, out)
         return out
 
     def mixed(self, n: int, prior: np.ndarray) -> np.ndarray:
@@ -77,15 +82,18 @@ class Estimates:
         decay = np.where(tries > 0, self.decays, self.idle_decay)  # a position not tried forgets slowly
         self.hits[:, :n] = self.hits[:, :n] * decay + hits
         self.tries[:, :n] = self.tries[:, :n] * decay + tries
+        self._last = None
 
     def reset(self, start: int, count: int) -> None:
         self.hits[:, start : start + count] = 0.0
         self.tries[:, start : start + count] = 0.0
         self.weight[start : start + count] = 1.0 / self.weight.shape[1]
+        self._last = None
 
     def move(self, src: int, dst: int) -> None:
         self.hits[:, dst], self.tries[:, dst] = self.hits[:, src], self.tries[:, src]
         self.weight[dst] = self.weight[src]
+        self._last = None
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
