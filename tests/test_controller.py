@@ -577,6 +577,10 @@ def test_draft_stop_cuts_where_the_offered_rows_expect_less_than_a_column_costs(
     assert stop.cut(confidence, torch.tensor([4, 1, 4])).tolist() == [1, 1, 1]
     # a calibration of 0.5 (the drafter is twice as sure as it is right) halves each column's reach
     assert DraftStop(np.array([0.5, 1.0, 1.2, 1.2]), calibration=0.5).cut(confidence, torch.tensor([4, 4, 4])).tolist() == [1, 1, 1]
+    # while draining, a row counts by its weight (the rate's own units): 0.81 + 0.5 * 0.45 >= 1.0 but
+    # 0.729 + 0.5 * 0.405 < 1.2 (the third row, weight 0, counts for nothing)
+    weighted = DraftStop(np.array([0.5, 1.0, 1.2, 1.2]), weight=np.array([1.0, 0.5, 0.0]))
+    assert weighted.cut(confidence, torch.tensor([4, 4, 4])).tolist() == [2, 2, 2]
 
 
 def test_adaptive_k_calibrates_confidence_and_stops_at_its_predicted_rate():

@@ -176,7 +176,7 @@ class AdaptiveK(Controller):
         if not chosen.any() and self.unprobed >= max(self.explore_every, column[0] / base / self.probe_share):
             chosen[:] = 1
         calibration = self.confidence[0] / self.confidence[1]
-        self.stop = DraftStop(held_rate * column, calibration)
+        self.stop = DraftStop(held_rate * column, calibration, weight)
         log.debug("gain=%s base=%.3gs column=%s -> offers=%s (%.1f tok/s)", np.round(gain.sum(0), 2), base,
                   np.round(column, 4), chosen, held_rate)
         return chosen

@@ -7,7 +7,8 @@ acceptance. A verify pass costs its widest row, so a column is paid once for the
 drafted while the rows offered it expect to gain more from it than it costs at the current rate,
 sum_r P_r(j) >= threshold[j] = rate (tokens/s) * seconds the column adds (draft pass + verify width).
 This is the goodput rule of DISCO (Mamou et al. 2024) and of vLLM's draft-length policy, summed over
-the batch because the batch shares the pass.
+the batch because the batch shares the pass. While the batch drains, each row's P_r(j) counts by the
+row's weight (workers/engine/offers.py: drain_weights), the same worth the rate was computed in.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 class DraftStop:
     threshold: np.ndarray       # (max_k,): expected accepted tokens column j must add to be drafted
     calibration: float = 1.0    # kappa: accepted drafts per unit of summed draft confidence
+    weight: np.ndarray | None = None  # (n,): each row's worth, as in the rate (None: 1 each)
 
     def reach(self, before: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
         """P_r(j) from P_r(j - 1) and this column's confidence q_r(j) (both (n,))."""
@@ -28,7 +30,8 @@ class DraftStop:
 
     def keep(self, column: int, reach: torch.Tensor, offered: torch.Tensor) -> bool:
         """Whether column `column` (0-based) is drafted, given each row's P_r(column) and whether it is offered."""
-        return column < len(self.threshold) and float(reach[offered].sum()) >= self.threshold[column]
+        worth = reach if self.weight is None else reach * torch.from_numpy(self.weight)
+        return column < len(self.threshold) and float(worth[offered].sum()) >= self.threshold[column]
 
     def cut(self, confidence: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Draft lengths (n,) after the stop, for a proposal's per-position confidence (n, k)."""
