@@ -153,6 +153,11 @@ class ModelConfig(_Section):
         "the first passes compile (0.5-2 minutes on a small CPU). Off by default: on the CPU it was measured "
         "on (SmolLM2-135M fp32, batch 1 and 8, widths 1 and 9) compiled passes were 0-20% slower than eager."))
 
+    step: Literal["auto", "captured", "eager"] = Field("auto", description=(
+        "how a decode step runs: `captured` replays one static-shape step per (rows, width) bucket as a CUDA "
+        "graph (one launch per pass instead of ~40 kernels a layer); `eager` runs the layers op by op; `auto` "
+        "captures on a GPU and runs eagerly on a CPU, where a static step only adds padding"))
+
     @model_validator(mode="after")
     def _draft_present(self) -> ModelConfig:
         needs = [name for name in ("model", "mtp") if name in self.drafters]

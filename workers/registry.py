@@ -56,7 +56,7 @@ def _load_draft_model(config: JobConfig, models: Models, device: torch.device) -
     draft = load_model(m.draft, m.dtype, device, options, m.trust_remote_code)
     if load_tokenizer(m.draft, options, m.trust_remote_code).get_vocab() != models.tokenizer.get_vocab():
         raise ValueError(f"draft model {m.draft} does not share the target's tokenizer ({m.target})")
-    return DecodingModel.prepare(draft, compile=m.compile)
+    return DecodingModel.prepare(draft, compile=m.compile, step=m.step)
 
 
 def _load_mtp_head(config: JobConfig, models: Models, device: torch.device) -> MTPHead:
@@ -80,7 +80,8 @@ def pick_device() -> torch.device:
 def load_models(config: JobConfig, device: torch.device) -> Models:
     """The target (prepared once for decoding) and the tokenizer, then the drafter's weights if it has any."""
     m, options = config.model, config.input.storage_options
-    target = DecodingModel.prepare(load_model(m.target, m.dtype, device, options, m.trust_remote_code), compile=m.compile)
+    target = DecodingModel.prepare(load_model(m.target, m.dtype, device, options, m.trust_remote_code), compile=m.compile,
+                                   step=m.step)
     models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code))
     loaders = [DRAFTERS[name].load_draft for name in m.drafters if DRAFTERS[name].load_draft is not None]
     if loaders:  # model.draft names one set of weights: at most one drafter kind reads it

@@ -23,13 +23,17 @@ class SlotRows:
         self.lengths = torch.zeros(max_rows, dtype=torch.long)
         self.device, self.dtype = device, dtype
 
+    def positions(self, n: int, q: int, start: int) -> torch.Tensor:
+        """Where q new entries per row go for slots start..start+n-1: after each row's cached length (n, q)."""
+        return (self.lengths[start : start + n].unsqueeze(1) + torch.arange(q)).to(self.device)
+
     def place(self, n: int, q: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Point the cache at q new entries per row for slots start..start+n-1, after each row's cached
         length; returns their positions (n, q) and the additive mask (n, 1, q, kv_len) on device, or None
         when none is needed (one new token per row, every row as long as the others)."""
         lengths = self.lengths[start : start + n]
         shortest, longest = int(lengths.min()), int(lengths.max())
-        positions = (lengths.unsqueeze(1) + torch.arange(q)).to(self.device)   # (n, q)
+        positions = self.positions(n, q, start)
         cache = self.cache
         cache.rows, cache.write_positions, cache.kv_len = slice(start, start + n), positions, longest + q
         cache.write_start = shortest if shortest == longest else None
@@ -54,10 +58,14 @@ class CachedLM(SlotRows):
     def __init__(self, model: DecodingModel, max_rows: int, capacity: int):
         super().__init__(max_rows, capacity, model.device, model.dtype)
         self.model = model
+        self.steps = model.captured_steps(self.cache, max_rows)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Feed `tokens` (n, q) to slots start..start+n-1; returns their final hidden states (n, q, hidden)."""
+        """Feed `tokens` (n, q) to slots start..start+n-1; returns their final hidden states (n, q, hidden).
+        Decode steps (from slot 0, narrow enough) run as a captured step where the model captures them."""
+        if self.steps is not None and start == 0 and self.steps.covers(*tokens.shape):
+            return self.steps(tokens.to(self.device), self.positions(*tokens.shape, start))
         positions, mask = self.place(*tokens.shape, start)
         return self.model.decode(tokens.to(self.device), positions, mask, self.cache)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from workers.engine.captured_step import CapturedSteps
 from workers.engine.fused_decoder import FusedDecoder
 from workers.engine.kv_cache import SlotCache
 from workers.engine.linear import Linear, linear
@@ -21,13 +22,25 @@ class DecodingModel:
     model: PreTrainedModel             # the source model: config, generation config, embeddings, fallback decoder
     fused: FusedDecoder | None         # None: run transformers' own decoder modules
     head: Linear                       # the LM head: hidden -> vocab
+    step: str = "eager"                # eager | captured (static-shape steps, CUDA graphs on a GPU)
 
     @classmethod
-    def prepare(cls, model: PreTrainedModel, compile: bool = False) -> DecodingModel:
-        """`compile`: torch.compile the fused decoder's layers (no effect where the fused decoder does not apply)."""
+    def prepare(cls, model: PreTrainedModel, compile: bool = False, step: str = "auto") -> DecodingModel:
+        """`compile`: torch.compile the fused decoder's layers (no effect where the fused decoder does not apply).
+        `step`: `auto` captures decode steps in CUDA graphs on a GPU and runs them eagerly elsewhere; `captured`
+        forces the static-shape step (eager on a CPU: the same path, testable without a GPU); `eager` never."""
         head = model.get_output_embeddings()
         fused = FusedDecoder(model, compile) if FusedDecoder.supports(model) else None
-        return cls(model.eval(), fused, Linear.of(head.weight, getattr(head, "bias", None)))
+        if step == "auto":
+            step = "captured" if model.device.type == "cuda" else "eager"
+        return cls(model.eval(), fused, Linear.of(head.weight, getattr(head, "bias", None)),
+                   step if fused is not None else "eager")
+
+    def captured_steps(self, cache: SlotCache, max_rows: int) -> CapturedSteps | None:
+        """Static-shape steps over `cache` when this model captures them (CUDA graphs on a CUDA device)."""
+        if self.step != "captured":
+            return None
+        return CapturedSteps(self.fused, cache, max_rows, capture=self.device.type == "cuda")
 
     @property
     def config(self):

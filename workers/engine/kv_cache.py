@@ -3,7 +3,8 @@
 Rows of a speculative batch accept different numbers of tokens each step. Instead of padding or
 re-computing, every row writes its new keys at its own offset; positions past a row's length are
 stale (rejected drafts) and are masked out, then overwritten by the next step. Memory is fixed:
-rows x capacity, allocated once per generator.
+rows x (capacity + 1), allocated once per generator; the extra column is scratch, where a captured
+step's padding writes (workers/engine/captured_step.py) and which no row ever reads.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class SlotCache(Cache):
         self.kv_len = 0
 
     def _allocate(self, like: torch.Tensor) -> None:
-        shape = (self.max_rows, like.shape[1], self.capacity, like.shape[3])
+        shape = (self.max_rows, like.shape[1], self.capacity + 1, like.shape[3])
         self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
         self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
 
