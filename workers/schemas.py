@@ -66,6 +66,7 @@ class Counters:
     length_rows: int = 0  # finish_reason length (max_new_tokens)
     failed_rows: int = 0  # finish_reason error
     prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens computed; the rest were copied from a cached row's shared prefix
     generated_tokens: int = 0
     target_passes: int = 0  # verify (or plain decode) forward passes of the target over the batch
     row_passes: int = 0  # rows summed over target passes
@@ -157,7 +158,7 @@ class ShardStats(Counters):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardStats:
         """Read back a record written by to_dict (a stats part file)."""
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})  # older parts lack newer counters
 
     def to_dict(self) -> dict[str, Any]:
         """The stored fields (a stats part file)."""

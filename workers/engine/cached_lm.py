@@ -9,6 +9,7 @@ import torch
 
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.kv_cache import SlotCache
+from workers.engine.prefix_sharing import PrefillPlan, plan_prefill
 
 PREFILL_CHUNK = 512    # tokens per row per prefill pass
 PREFILL_WASTE = 0.25   # padding a prefill group may add, as a share of its rows' own tokens
@@ -21,6 +22,7 @@ class SlotRows:
     def __init__(self, max_rows: int, capacity: int, device: torch.device, dtype: torch.dtype):
         self.cache = SlotCache(max_rows, capacity)
         self.lengths = torch.zeros(max_rows, dtype=torch.long)
+        self.prompts: list[tuple[int, ...]] = [()] * max_rows   # per slot: the prompt tokens its cache holds
         self.device, self.dtype = device, dtype
 
     def positions(self, n: int, q: int, start: int) -> torch.Tensor:
@@ -51,13 +53,14 @@ class SlotRows:
     @torch.inference_mode()
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst, int(self.lengths[src]))
-        self.lengths[dst] = self.lengths[src]
+        self.lengths[dst], self.prompts[dst] = self.lengths[src], self.prompts[src]
 
 
 class CachedLM(SlotRows):
     def __init__(self, model: DecodingModel, max_rows: int, capacity: int):
         super().__init__(max_rows, capacity, model.device, model.dtype)
         self.model = model
+        self.computed_tokens = 0   # prompt tokens prefill computed (the rest were copied)
         self.steps = model.captured_steps(self.cache, max_rows)
 
     @torch.inference_mode()
@@ -73,33 +76,61 @@ class CachedLM(SlotRows):
         """fp32 next-token logits (n, q, vocab) after feeding `tokens` (n, q)."""
         return self.model.logits(self.forward(tokens, start))
 
-    def prefill(self, prompts: list[list[int]], start: int, chunk: int = PREFILL_CHUNK,
-                waste: float = PREFILL_WASTE) -> torch.Tensor | None:
-        """Cache every prompt token but the last, which the first decoding step feeds. Returns the hidden
-        states of the cached tokens (n, longest - 1, hidden; padding past each row's length), None when
-        no prompt has more than one token.
+    def plan(self, prompts: list[list[int]], start: int) -> PrefillPlan:
+        """Slot order and prefix sources for new rows entering slots start.. (see prefix_sharing)."""
+        return plan_prefill([tuple(p[:-1]) for p in prompts], {s: self.prompts[s] for s in range(start)}, start)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], start: int, plan: PrefillPlan | None = None,
+                chunk: int = PREFILL_CHUNK, waste: float = PREFILL_WASTE) -> torch.Tensor | None:
+        """Cache every prompt token but the last, which the first decoding step feeds.
+
+        With a `plan` (prompts in its slot order), each round of rows first copies the prefix its source
+        shares, then computes the rest; returns None. Without one, every token is computed and the hidden
+        states of the cached tokens come back (n, longest - 1, hidden; padding past each row's length),
+        None when no prompt has more than one token (drafters that read prompt states need them)."""
+        n = len(prompts)
+        plan = plan or PrefillPlan(list(range(n)), [n], [None] * n)
+        self.lengths[start : start + n] = 0
+        first, hidden = 0, None
+        for size in plan.rounds:
+            for slot in range(start + first, start + first + size):
+                source = plan.sources[slot - start]
+                if source is not None:
+                    self.cache.move(source.slot, slot, source.length)
+                    self.lengths[slot] = source.length
+            hidden = self._feed(prompts[first : first + size], start + first, chunk, waste)
+            first += size
+        for slot, p in enumerate(prompts, start):
+            self.prompts[slot] = tuple(p[:-1])
+        return hidden if len(plan.rounds) == 1 and not any(plan.sources) else None
+
+    def _feed(self, prompts: list[list[int]], start: int, chunk: int, waste: float) -> torch.Tensor | None:
+        """Compute each row's prompt from its cached length to its last token but one.
 
         Rows are fed in groups of neighbouring slots whose padding to the group's longest row stays within
         `waste` of their own tokens (callers admit rows sorted by length, so neighbours are alike), each
         group in chunks of at most `chunk` tokens per row: no prompt pays for a much longer neighbour, and
-        a long prompt's attention scores never exceed chunk x its length."""
-        n, width = len(prompts), max(len(p) for p in prompts) - 1
-        self.lengths[start : start + n] = 0
+        a long prompt's attention scores never exceed chunk x its length. Returns the fed tokens' hidden
+        states (n, longest fed, hidden), None when no row had any."""
+        n = len(prompts)
+        done = self.lengths[start : start + n].tolist()
+        todo = [p[cached:-1] for p, cached in zip(prompts, done)]
+        self.computed_tokens += sum(len(t) for t in todo)
         hidden = None
-        for first, last in length_groups([len(p) - 1 for p in prompts], waste):
-            group_width = max(len(p) for p in prompts[first:last]) - 1
+        for first, last in length_groups([len(t) for t in todo], waste):
+            group_width = max(len(t) for t in todo[first:last])
             if group_width <= 0:
                 continue
-            pad = torch.tensor([p[:-1] + [p[-1]] * (group_width - len(p) + 1) for p in prompts[first:last]])
+            pad = torch.tensor([t + [p[-1]] * (group_width - len(t)) for t, p in zip(todo[first:last], prompts[first:last])])
             for begin in range(0, group_width, chunk):
                 out = self.forward(pad[:, begin : begin + chunk], start + first)
                 if hidden is None:
-                    hidden = out.new_zeros(n, width, out.shape[-1])
+                    hidden = out.new_zeros(n, max(len(t) for t in todo), out.shape[-1])
                 hidden[first:last, begin : begin + out.shape[1]] = out
                 self.lengths[start + first : start + last] += out.shape[1]
         self.lengths[start : start + n] = torch.tensor([len(p) - 1 for p in prompts])
         return hidden
-
 
 
 def length_groups(lengths: list[int], waste: float) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ class ComposedDrafter(Drafter):
         self.name = "+".join(d.name for d in drafters)
         # An upper bound: a model drafter is skipped on steps where earlier drafters served every row.
         self.passes_per_token = max(d.passes_per_token for d in drafters)
+        self.reads_prompt_states = any(d.reads_prompt_states for d in drafters)
         self.acceptance_prior = drafters[0].acceptance_prior  # the part that serves first
 
     def start(self, max_rows: int, capacity: int) -> None:

@@ -63,6 +63,7 @@ class Drafter:
 
     name = "none"
     passes_per_token = 0  # draft forward passes per proposed token (1 for a draft model, 0 model-free)
+    reads_prompt_states = False  # whether admit() needs the target's hidden state at every prompt position
     acceptance_prior = DEFAULT_PRIOR
 
     def start(self, max_rows: int, capacity: int) -> None:

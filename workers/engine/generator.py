@@ -138,6 +138,7 @@ class SpeculativeGenerator:
                 stats.prompt_tokens += sum(len(r.prompt_ids) for _, r in admitted)
                 stats.prefill_s += time.perf_counter() - started
             self._step(batch, results, stats, draining=not waiting)
+        stats.prefilled_tokens = batch.target.computed_tokens
 
     def _step(self, batch: LiveBatch, results: list[Completion | None], stats: GenerationStats, draining: bool) -> None:
         rows = batch.rows

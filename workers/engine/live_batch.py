@@ -21,10 +21,17 @@ class LiveBatch:
         return len(self.rows)
 
     def admit(self, admitted: list[tuple[int, Row]]) -> None:
-        """Prefill the new rows into the next free slots, shortest first (prefill groups neighbours by length)."""
-        admitted = sorted(admitted, key=lambda item: len(item[1].tokens))
-        start, rows = len(self.rows), [row for _, row in admitted]
-        hidden = self.target.prefill([r.tokens for r in rows], start)
+        """Prefill the new rows into the next free slots. Rows that share a prompt prefix with a cached row
+        copy it (prefix_sharing), unless the drafter reads every prompt state; otherwise shortest first
+        (prefill groups neighbours by length)."""
+        start = len(self.rows)
+        if self.drafter.reads_prompt_states:
+            admitted, plan = sorted(admitted, key=lambda item: len(item[1].tokens)), None
+        else:
+            plan = self.target.plan([row.tokens for _, row in admitted], start)
+            admitted = [admitted[i] for i in plan.order]
+        rows = [row for _, row in admitted]
+        hidden = self.target.prefill([r.tokens for r in rows], start, plan)
         self.drafter.admit(rows, start, hidden)
         self.controller.admit(start, len(rows))
         self.indexes.extend(index for index, _ in admitted)

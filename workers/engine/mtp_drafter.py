@@ -42,6 +42,7 @@ def draft_rows(head: MTPHead, target: DecodingModel) -> torch.Tensor:
 class MTPDrafter(Drafter):
     name = "mtp"
     passes_per_token = 1
+    reads_prompt_states = True   # the head starts from the target's state at every prompt position
 
     def __init__(self, target: DecodingModel, head: MTPHead, sampling: SamplingParams):
         self.head, self.sampling = head, sampling

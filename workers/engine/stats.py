@@ -10,6 +10,7 @@ import numpy as np
 class GenerationStats:
     max_k: int
     prompt_tokens: int = 0
+    prefilled_tokens: int = 0       # prompt tokens computed; the rest were copied from a shared prefix
     generated_tokens: int = 0
     target_passes: int = 0
     row_passes: int = 0             # rows summed over target passes: tokens per row per pass = generated / this
