@@ -22,7 +22,6 @@ from pipeline.report import write_report
 from pipeline.summary import RunInfo, summarize, write_closing_files
 from workers.actor import GenerationWorker
 from workers.config import JobConfig
-from workers.mtp_head import read_spec
 from workers.schemas import ShardStats
 from workers.shard_io import ShardSpec
 from workers.storage import safe_url
@@ -134,8 +133,6 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
     """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if
     not given. `verify_sample`: rows to regenerate without speculation and compare (summary's verify_sample)."""
     plan = plan or plan_job(config)
-    if "mtp" in config.model.drafters:
-        read_spec(config.model.draft, config.input.storage_options)  # no head there: fail before any worker starts
     state = JobState(config)
     resumed = state.claim(overwrite, len(plan.shards))
     try:

@@ -73,6 +73,24 @@ def test_bad_configs_and_inputs_are_refused_before_torch_and_ray_load(tmp_path, 
     assert code == 1 and "holds the output of a different config" in err
 
 
+def test_the_driver_plans_and_names_its_workers_without_torch_or_transformers(tmp_path, model_dir, write_input,
+                                                                              write_yaml):
+    """The driver side (CLI, config, planning, output checks, the driver module and its actor class) starts
+    without torch and transformers; only the workers load them."""
+    path = write_input(str(tmp_path / "in.parquet"), prompts(3))
+    config = write_yaml({"input": {"path": path}, "output": {"path": str(tmp_path / "o")}, "model": {"target": model_dir}})
+    probe = ("import sys, ray; import jobs.cli; from pipeline.config_file import load_config; "
+             "from pipeline.planner import plan_job; from pipeline.job_state import JobState; "
+             "from pipeline.driver import WorkerPool, worker_shape; from workers.actor import GenerationWorker; "
+             "config = load_config(sys.argv[1]); plan = plan_job(config); JobState(config).check(False); "
+             "worker_shape(config, {'CPU': 2.0}); ray.remote(GenerationWorker); "
+             "print(len(plan.shards), [m for m in ('torch', 'transformers') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe, config], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "[]"]
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])

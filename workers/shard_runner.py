@@ -19,7 +19,8 @@ from workers.registry import Models, encode_prompt, load_models, make_generator,
 from workers.schemas import ShardStats, output_schema
 from workers.shard_io import InputRow, ShardSpec, read_shard, write_shard_output
 from workers.storage import join, write_bytes_atomic
-from workers.verify_sample import RowCheck, check_rows
+from workers.verify_rows import check_rows
+from workers.verify_sample import RowCheck
 
 
 def row_seed(job_seed: int, row_id: str, sample_index: int) -> int:
@@ -31,8 +32,9 @@ def row_seed(job_seed: int, row_id: str, sample_index: int) -> int:
 class ShardRunner:
     """Holds the models once; turns shard specs into committed output files and stats rows."""
 
-    def __init__(self, config: JobConfig, worker_id: str = "local", models: Models | None = None):
-        self.config, self.worker_id = config, worker_id
+    def __init__(self, config: JobConfig, worker_id: str = "local", models: Models | None = None,
+                 ray_node_id: str | None = None):
+        self.config, self.worker_id, self.ray_node_id = config, worker_id, ray_node_id
         self.device = pick_device()
         self.models = models or load_models(config, self.device)
         self.generator = make_generator(config, self.models)
@@ -80,7 +82,8 @@ class ShardRunner:
         write_shard_output(out.path, spec.shard_id, table, out.storage_options)
         stats = ShardStats.from_generation(
             result.stats, table.column("finish_reason").to_pylist(),
-            shard_id=spec.shard_id, worker_id=self.worker_id, node=platform.node(), device=str(self.device),
+            shard_id=spec.shard_id, worker_id=self.worker_id, node=platform.node(), ray_node_id=self.ray_node_id,
+            device=str(self.device),
             run_id=run_id, attempt=attempt, started_at=started_at, finished_at=time.time(),
             wall_s=time.perf_counter() - started, peak_mem_bytes=_peak_memory(self.device))
         write_bytes_atomic(join(out.path, "stats", "parts", f"{spec.shard_id}.json"),
