@@ -17,6 +17,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from tqdm import tqdm
 
 from pipeline.job_state import HEARTBEAT_S, JobState
+from pipeline.noise import MachineLoad, cpu_times
 from pipeline.planner import Plan, plan_job
 from pipeline.report import write_report
 from pipeline.summary import RunInfo, summarize, write_closing_files
@@ -133,6 +134,7 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
     """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if
     not given. `verify_sample`: rows to regenerate without speculation and compare (summary's verify_sample)."""
     plan = plan or plan_job(config)
+    cpu_at_start = cpu_times()
     state = JobState(config)
     resumed = state.claim(overwrite, len(plan.shards))
     try:
@@ -153,7 +155,8 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
                 raise
             finally:
                 pool.shutdown()
-        run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done))
+        run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done),
+                      MachineLoad.since(cpu_at_start))
         summary = summarize(stats, run, safe_url(config.output.path))
         summary["skipped_files"] = [f._asdict() for f in plan.skipped_files]
         if checks is not None:
