@@ -26,10 +26,13 @@ def _terminate(signum, frame):
 def _run(args: argparse.Namespace) -> int:
     from pipeline.job_state import JobState, OutputConflict
     from pipeline.planner import plan_job
+    from workers.config import config_warnings
     from workers.shard_io import InputError
     from workers.storage import StorageError
 
     config = load_config(args.config, args.set)
+    for warning in config_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.verify_sample and config.generation.temperature > 0:
         return _error(ValueError("--verify-sample compares tokens with plain greedy decoding, which only sampling-free "
                                  "jobs reproduce (generation.temperature is "

@@ -173,7 +173,7 @@ def _dispatch(config: JobConfig, pool: WorkerPool, state: JobState, todo: deque,
     """Keep every actor busy with one shard at a time until the queue is empty."""
     running: dict[ray.ObjectRef, tuple[str, ShardSpec, int]] = {}
     idle, results, failures = deque(pool.actors), [], []
-    bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=config.name)
+    bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=f"{config.name} shards")
     generated, t0 = 0, time.time()
     try:
         while todo or running:
@@ -201,12 +201,18 @@ def _dispatch(config: JobConfig, pool: WorkerPool, state: JobState, todo: deque,
                 results.append(result)
                 generated += result.generated_tokens
                 bar.update(1)
-                bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.1f}", rows=sum(r.rows for r in results))
+                bar.set_postfix_str(progress_note(sum(r.rows for r in results), generated, time.time() - t0))
     finally:
         bar.close()
     if failures:
         raise JobFailed("shards failed after every attempt (no _SUCCESS written):\n" + "\n".join(failures))
     return results
+
+
+def progress_note(rows_out: int, tokens: int, seconds: float) -> str:
+    """The bar counts shards (sharding.rows_per_shard input rows each); its note counts output rows (input rows x
+    generation.samples_per_prompt) and this run's tokens per second."""
+    return f"{rows_out} rows out, {tokens / seconds if seconds else 0.0:.1f} tokens/s"
 
 
 def _verify(pool: WorkerPool, specs: dict[str, ShardSpec], picks: dict[str, list[int]]) -> list[RowCheck]:

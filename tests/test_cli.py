@@ -91,6 +91,25 @@ def test_the_driver_plans_and_names_its_workers_without_torch_or_transformers(tm
     assert done.stdout.split() == ["1", "[]"]
 
 
+def test_every_printed_path_is_absolute_and_greedy_samples_are_warned_about(tmp_path, model_dir, write_yaml,
+                                                                            monkeypatch, capsys):
+    config = write_yaml({"input": {"path": "in.jsonl"}, "output": {"path": "o"}, "model": {"target": model_dir}})
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", config, "--set", "input.path=rel/missing.jsonl", "--set", "generation.samples_per_prompt=3"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and err[0].startswith("warning: generation.samples_per_prompt is 3 but generation.temperature is 0")
+    assert err[1] == f"error: {tmp_path / 'rel' / 'missing.jsonl'}: no input files there (looked for .parquet, .jsonl, .json)"
+    assert main(["report", "rel"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'rel'} holds no specbatch job")
+
+
+def test_the_progress_bar_counts_shards_and_notes_output_rows():
+    from pipeline.driver import progress_note
+
+    assert progress_note(48, 600, 12.0) == "48 rows out, 50.0 tokens/s"
+    assert progress_note(0, 0, 0.0) == "0 rows out, 0.0 tokens/s"
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])

@@ -27,18 +27,20 @@ def test_cpu_steal_is_the_share_of_cpu_time_stolen_between_two_readings(tmp_path
 
 
 def test_shards_more_than_3x_apart_in_ms_per_pass_are_called_noise_and_say_what_the_machine_did():
-    stats = [shard(i, "w0", "r") for i in range(4)]  # 2.0 s over 20 passes: 100 ms per pass
-    stats[2].verify_s = 7.0
-    stats[3].target_passes = MIN_PASSES - 1  # too few passes to judge: left out
-    stats[3].verify_s = 60.0
-    assert ms_per_pass(stats) == {"shard-00000": 100.0, "shard-00001": 100.0, "shard-00002": 350.0}
+    stats = [shard(i, "w0", "r") for i in range(5)]  # 2.0 s over 20 passes: 100 ms per pass
+    stats[0].verify_s = 9.0  # the worker's first shard pays its warm-up: left out
+    stats[3].verify_s = 7.0
+    stats[4].target_passes = MIN_PASSES - 1  # too few passes to judge: left out
+    stats[4].verify_s = 60.0
+    assert ms_per_pass(stats) == {"shard-00001": 100.0, "shard-00002": 100.0, "shard-00003": 350.0}
+    assert ms_per_pass([stats[0], shard(1, "w1", "r")]) == {"shard-00000": 450.0, "shard-00001": 100.0}  # one each
     load = MachineLoad((11.8, 10.2, 6.1), 0.021, 2)
     noise = noise_summary(stats, load)
-    assert noise["noisy"] and noise["spread"] == 3.5 and noise["slowest"] == {"shard_id": "shard-00002", "ms_per_pass": 350.0}
-    assert noise["message"] == ("shards differ 3.5x in ms per target pass (shard-00002 350.0 ms, shard-00000 100.0 ms; "
+    assert noise["noisy"] and noise["spread"] == 3.5 and noise["slowest"] == {"shard_id": "shard-00003", "ms_per_pass": 350.0}
+    assert noise["message"] == ("shards differ 3.5x in ms per target pass (shard-00003 350.0 ms, shard-00001 100.0 ms; "
                                 "more than 3x): a loaded or throttled machine, not the job (load average 11.8 10.2 6.1 "
                                 "on 2 CPUs; CPU steal 2.1 %)")
-    stats[2].verify_s = 5.0
+    stats[3].verify_s = 5.0
     steady = noise_summary(stats, None)
     assert not steady["noisy"] and steady["spread"] == 2.5 and steady["message"] is None and steady["load_average"] is None
     assert spread({"only": 1.0}) is None and noise_summary(stats[:1], load)["spread"] is None
@@ -56,6 +58,6 @@ def test_the_printed_summary_names_the_noise_only_when_there_is_some():
     load = MachineLoad((1.0, 1.0, 1.0), None, 4)
     quiet = describe(summarize(stats, RunInfo("r", 0.0, 10.0, 3, load), "/out"))
     assert "noise" not in quiet
-    stats[0].verify_s = 20.0
+    stats[2].verify_s = 20.0
     noisy = describe(summarize(stats, RunInfo("r", 0.0, 10.0, 3, load), "/out")).splitlines()
     assert noisy[2].startswith("noise: shards differ 10.0x") and noisy[2].endswith("(load average 1.0 1.0 1.0 on 4 CPUs)")

@@ -17,7 +17,7 @@ from workers.config import JobConfig
 from workers.engine.generator import Completion, Request
 from workers.registry import Models, encode_prompt, load_models, make_generator, pick_device
 from workers.schemas import ShardStats, output_schema
-from workers.shard_io import InputRow, ShardSpec, read_shard, write_shard_output
+from workers.shard_io import InputRow, ShardSpec, declared_types, read_shard, write_shard_output
 from workers.storage import join, write_bytes_atomic
 from workers.verify_rows import check_rows
 from workers.verify_sample import RowCheck
@@ -77,7 +77,8 @@ class ShardRunner:
         rows = read_shard(spec, self.config.input, self.config.output.keep_columns)
         requests, slots = self._requests(rows)
         result = self.generator.generate(requests)
-        table = self._table(slots, iter(result.completions))
+        keep_types = declared_types(spec, self.config.input) if self.config.output.keep_columns else {}
+        table = self._table(slots, iter(result.completions), keep_types)
         out = self.config.output
         write_shard_output(out.path, spec.shard_id, table, out.storage_options)
         stats = ShardStats.from_generation(
@@ -99,7 +100,7 @@ class ShardRunner:
         out = self.config.output
         return check_rows(self.generator, spec.shard_id, out.path, out.storage_options, by_row, picks)
 
-    def _table(self, slots, completions) -> pa.Table:
+    def _table(self, slots, completions, keep_types: dict[str, pa.DataType]) -> pa.Table:
         records = []
         for row, sample, seed, error in slots:
             done: Completion = Completion([], "", "error", error) if error else next(completions)
@@ -116,7 +117,8 @@ class ShardRunner:
                             [[{"token_id": t, "logprob": lp} for t, lp in position] for position in done.top_logprobs],
                             **row.keep})
         keep = self.config.output.keep_columns
-        keep_fields = [pa.field(c, pa.array([r[c] for r in records]).type if records else pa.null()) for c in keep]
+        keep_fields = [pa.field(c, keep_types.get(c) or (pa.array([r[c] for r in records]).type if records else pa.null()))
+                       for c in keep]
         return pa.Table.from_pylist(records, schema=output_schema(keep_fields))
 
 
