@@ -116,6 +116,9 @@ def test_the_report_renders_in_chromium_with_its_charts_and_no_console_errors(ru
 
     dom = chromium(page.as_uri(), "--dump-dom")
     assert dom.returncode == 0 and console_messages(dom) == []
+    for section in ("Time per target pass", "Sample completions", "a loaded or throttled machine", "ray-node-worker-001"):
+        assert section in dom.stdout
+    assert "&lt;b&gt;shard-00000&lt;/b&gt; &amp; co" in dom.stdout and "<b>shard-" not in dom.stdout  # text, not markup
     charts = re.findall(r"<svg.*?</svg>", dom.stdout, flags=re.S)
     assert len(charts) == CHARTS and all(("<rect" in c or "<polyline" in c) and "<text" in c for c in charts)
     shot = tmp_path / "report.png"
