@@ -1,7 +1,8 @@
 """OUTPUT/report.html: one self-contained page (inline CSS and SVG, no script, no network) about a job.
 
-Built only from what the output folder holds (_job.json, the lease, stats parts, retries, errors),
-so `specbatch report OUTPUT` can rebuild it for a finished job, a stopped one or one still running.
+Built only from what the output folder holds (_job.json, the lease, stats parts, retries, errors, the
+machine's load in summary.json, a few rows of the first data files), so `specbatch report OUTPUT` can
+rebuild it for a finished job, a stopped one or one still running.
 """
 from __future__ import annotations
 
