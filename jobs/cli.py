@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 
+from jobs.describe import describe
 from pipeline.config_file import ConfigError, load_config
 from pipeline.job_state import installed_version
 
@@ -25,10 +26,13 @@ def _terminate(signum, frame):
 def _run(args: argparse.Namespace) -> int:
     from pipeline.job_state import JobState, OutputConflict
     from pipeline.planner import plan_job
+    from workers.config import config_warnings
     from workers.shard_io import InputError
     from workers.storage import StorageError
 
     config = load_config(args.config, args.set)
+    for warning in config_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.verify_sample and config.generation.temperature > 0:
         return _error(ValueError("--verify-sample compares tokens with plain greedy decoding, which only sampling-free "
                                  "jobs reproduce (generation.temperature is "
@@ -115,41 +119,23 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe(summary: dict) -> str:
-    """The closing lines of `specbatch run`: the whole job's figures, then this run's."""
-    job, run = summary["job"], summary["this_run"]
-    done_before = job["shards"] and not run["shards_run"]
-    lines = [f"nothing to do: all {job['shards']} shards were already committed"] if done_before else []
-    lines.append(f"job: {job['rows']} rows ({job['failed_rows']} failed), {job['generated_tokens']} tokens, "
-                 f"{job['tokens_per_s']:.1f} tokens/s while generating; {job['tokens_per_row_pass']:.2f} tokens per "
-                 f"row per target pass (batch: {job['batch_tokens_per_pass']:.2f}), acceptance {job['acceptance_rate']:.2f}")
-    if run["shards_run"]:
-        lines.append(f"this run: {run['shards_run']} shards ({run['shards_resumed']} resumed), {run['generated_tokens']} "
-                     f"tokens in {run['wall_s']:.1f}s ({run['tokens_per_s']:.1f} tokens/s end to end)")
-    if "verify_sample" in summary:
-        lines.append(describe_verification(summary["verify_sample"]))
-    lines += [f"output: {summary['output']}", f"report: {summary['output'].rstrip('/')}/report.html"]
-    return "\n".join(lines)
-
-
-def describe_verification(verify: dict) -> str:
-    """The --verify-sample line: all identical, or each row that differs and where."""
-    if not verify["mismatches"]:
-        return (f"verify-sample: {verify['rows']} rows ({verify['tokens']} tokens) identical to plain greedy "
-                "decoding (k = 0)")
-    differing = [f"  {m['shard_id']} id={m['id']!r} sample {m['sample_index']}: token {m['position']} is "
-                 f"{m['job_token']} in the output, {m['plain_token']} without speculation"
-                 for m in verify["mismatches"]]
-    return "\n".join([f"verify-sample: {len(differing)} of {verify['rows']} rows DIFFER from plain greedy "
-                      "decoding (k = 0); -1 marks a completion that had ended:", *differing])
-
-
 def _report(args: argparse.Namespace) -> int:
     from pipeline.report import write_report
-    from workers.storage import Store, StorageError, safe_url
+    from workers.storage import Store, StorageError, absolute, safe_url
 
     try:
-        print(safe_url(write_report(Store(args.output))))
+        print(safe_url(write_report(Store(absolute(args.output)))))
+    except (FileNotFoundError, StorageError) as exc:
+        return _error(exc)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from jobs.show import show
+    from workers.storage import Store, StorageError, absolute
+
+    try:
+        print(show(Store(absolute(args.output)), args.rows))
     except (FileNotFoundError, StorageError) as exc:
         return _error(exc)
     return 0
@@ -214,6 +200,10 @@ def parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="rebuild OUTPUT/report.html for a finished, stopped or running job")
     report.add_argument("output", help="the job's output.path (credentials for object storage come from the environment)")
     report.set_defaults(func=_report)
+    show = sub.add_parser("show", help="print a job's figures and a few completions (from OUTPUT alone)")
+    show.add_argument("output", help="the job's output.path (credentials for object storage come from the environment)")
+    show.add_argument("--rows", type=int, default=3, metavar="N", help="completions to print (default 3)")
+    show.set_defaults(func=_show)
     bench = sub.add_parser("bench", help="side-by-side speed benchmark against transformers")
     bench.add_argument("--config", default="configs/bench.yaml")
     bench.add_argument("--quick", action="store_true", help="a few minutes on a laptop CPU")

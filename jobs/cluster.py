@@ -37,7 +37,7 @@ from typing import Any, TextIO
 import yaml
 
 from pipeline.config_file import ConfigError, load_config
-from workers.config import is_secret, redact
+from workers.config import config_warnings, is_secret, redact
 from workers.model_paths import DEMO_MODEL
 from workers.storage import is_remote, safe_url
 
@@ -129,7 +129,7 @@ def _warnings(config) -> list[str]:
     return [f"{label} {safe_url(path)} is a local path, read and written on the cluster's nodes; use object "
             "storage (s3://, gs://) or a filesystem every node mounts"
             for label, path in (("input.path", config.input.path), ("output.path", config.output.path))
-            if not is_remote(path)]
+            if not is_remote(path)] + config_warnings(config)
 
 
 @contextmanager

@@ -38,7 +38,7 @@ from workers.mtp_head import HeadSpec, MTPHead, head_parameters, save_head
 from workers.registry import Models, encode_prompt, make_generator, pick_device
 from workers.shard_io import InputRow, read_shard
 from workers.shard_runner import row_seed
-from workers.storage import list_files, read_bytes, safe_url
+from workers.storage import absolute, list_files, read_bytes, safe_url
 
 Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 FINAL_RESERVE_S = 60.0  # the end of the budget: final held-out scoring, cost measurement, save
@@ -135,7 +135,7 @@ def collect(args: argparse.Namespace, config: JobConfig, models: Models, started
 def run_distill(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     config = load_config(args.config, args.set)
-    out = args.out or (config.model.draft if config.model.drafter == "mtp" else None)
+    out = absolute(args.out) if args.out else (config.model.draft if config.model.drafter == "mtp" else None)
     if not out:
         print("error: say where the head goes: --out PATH (or model.draft with model.drafter: mtp)", file=sys.stderr)
         return 2

@@ -28,7 +28,8 @@ def load_config(path: str, overrides: list[str] | None = None) -> JobConfig:
 
     Relative local paths in a local config file resolve against the file's folder, so a config works
     from any working directory; paths given with --set resolve against the working directory, like any
-    command-line path. Override values are parsed as YAML, so `speculation.k=4`, `input.id_column=null` and
+    command-line path. Either way they are absolute from here on, so every line that shows one can be
+    used from anywhere. Override values are parsed as YAML, so `speculation.k=4`, `input.id_column=null` and
     `generation.stop=["\\n"]` give an int, None and a list. Unknown keys, from the file or an
     override, are reported by validation with all other problems in one ConfigError, each naming
     where it was set: the file or --set.
@@ -48,6 +49,7 @@ def load_config(path: str, overrides: list[str] | None = None) -> JobConfig:
     for override in overrides or []:
         apply_override(data, override)
     set_keys = [o.partition("=")[0].strip() for o in overrides or []]
+    _resolve_paths(data, Path.cwd(), [key for key in PATH_KEYS if _set_by(key, set_keys, from_file)])
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:
@@ -57,9 +59,9 @@ def load_config(path: str, overrides: list[str] | None = None) -> JobConfig:
         raise ConfigError(validation_message(exc, source)) from None
 
 
-def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
-    """Make the file's relative local paths (PATH_KEYS) absolute, relative to `folder`."""
-    for key in PATH_KEYS:
+def _resolve_paths(data: dict[str, Any], folder: Path, keys: tuple[str, ...] | list[str] = PATH_KEYS) -> None:
+    """Make the relative local paths under `keys` absolute, relative to `folder`."""
+    for key in keys:
         section, name = key.split(".")
         node = data.get(section)
         value = node.get(name) if isinstance(node, dict) else None

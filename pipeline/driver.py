@@ -17,12 +17,12 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from tqdm import tqdm
 
 from pipeline.job_state import HEARTBEAT_S, JobState
+from pipeline.noise import MachineLoad, cpu_times
 from pipeline.planner import Plan, plan_job
 from pipeline.report import write_report
 from pipeline.summary import RunInfo, summarize, write_closing_files
 from workers.actor import GenerationWorker
 from workers.config import JobConfig
-from workers.mtp_head import read_spec
 from workers.schemas import ShardStats
 from workers.shard_io import ShardSpec
 from workers.storage import safe_url
@@ -134,8 +134,7 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
     """Run (or resume) a job to completion and return its summary; `plan` is plan_job(config), made here if
     not given. `verify_sample`: rows to regenerate without speculation and compare (summary's verify_sample)."""
     plan = plan or plan_job(config)
-    if "mtp" in config.model.drafters:
-        read_spec(config.model.draft, config.input.storage_options)  # no head there: fail before any worker starts
+    cpu_at_start = cpu_times()
     state = JobState(config)
     resumed = state.claim(overwrite, len(plan.shards))
     try:
@@ -156,7 +155,8 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
                 raise
             finally:
                 pool.shutdown()
-        run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done))
+        run = RunInfo(state.run_id, state.started, time.time() - state.started, len(plan.shards) - len(done),
+                      MachineLoad.since(cpu_at_start))
         summary = summarize(stats, run, safe_url(config.output.path))
         summary["skipped_files"] = [f._asdict() for f in plan.skipped_files]
         if checks is not None:
@@ -173,7 +173,7 @@ def _dispatch(config: JobConfig, pool: WorkerPool, state: JobState, todo: deque,
     """Keep every actor busy with one shard at a time until the queue is empty."""
     running: dict[ray.ObjectRef, tuple[str, ShardSpec, int]] = {}
     idle, results, failures = deque(pool.actors), [], []
-    bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=config.name)
+    bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=f"{config.name} shards")
     generated, t0 = 0, time.time()
     try:
         while todo or running:
@@ -201,12 +201,18 @@ def _dispatch(config: JobConfig, pool: WorkerPool, state: JobState, todo: deque,
                 results.append(result)
                 generated += result.generated_tokens
                 bar.update(1)
-                bar.set_postfix(tok_s=f"{generated / (time.time() - t0):.1f}", rows=sum(r.rows for r in results))
+                bar.set_postfix_str(progress_note(sum(r.rows for r in results), generated, time.time() - t0))
     finally:
         bar.close()
     if failures:
         raise JobFailed("shards failed after every attempt (no _SUCCESS written):\n" + "\n".join(failures))
     return results
+
+
+def progress_note(rows_out: int, tokens: int, seconds: float) -> str:
+    """The bar counts shards (sharding.rows_per_shard input rows each); its note counts output rows (input rows x
+    generation.samples_per_prompt) and this run's tokens per second."""
+    return f"{rows_out} rows out, {tokens / seconds if seconds else 0.0:.1f} tokens/s"
 
 
 def _verify(pool: WorkerPool, specs: dict[str, ShardSpec], picks: dict[str, list[int]]) -> list[RowCheck]:

@@ -132,6 +132,22 @@ def committed_shards(store: Store) -> dict[str, ShardStats]:
     return parts
 
 
+def read_manifest(store: Store) -> dict:
+    """The output's _job.json; FileNotFoundError when the folder holds no job."""
+    manifest = store.read_json(MANIFEST)
+    if manifest is None:
+        raise FileNotFoundError(f"{store.root} holds no specbatch job (no {MANIFEST})")
+    return manifest
+
+
+def job_status(store: Store) -> str:
+    """finished (_SUCCESS written), running (a live lease) or incomplete (stopped, crashed or failed)."""
+    if store.exists("_SUCCESS"):
+        return "finished"
+    lease = store.read_json(LEASE)
+    return "running" if lease and lease_alive(lease) else "incomplete"
+
+
 def lease_alive(lease: dict) -> bool:
     """A lease holds while its heartbeat is fresh, unless its driver ran on this host and is gone
     (a killed driver must not block the rerun that resumes it)."""

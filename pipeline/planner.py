@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
 from workers.config import JobConfig
-from workers.model_paths import check_model_path
+from workers.model_paths import check_head_path, check_model_path
 from workers.shard_io import InputError, ShardSpec, check_columns
 from workers.storage import is_transient, list_files, on_storage, safe_url
 
@@ -66,10 +66,13 @@ def kind_of(url: str) -> Literal["parquet", "jsonl"] | None:
 
 
 def plan_job(config: JobConfig) -> Plan:
-    """Everything checked before Ray and torch start: the models exist, the input lists and has its columns."""
+    """Everything checked before Ray and torch start: the models (or MTP head) exist, the input lists and has
+    its columns."""
     model = config.model
     for path in filter(None, (model.target, model.draft if "model" in model.drafters else None)):
         check_model_path(path, config.input.storage_options)
+    if "mtp" in model.drafters:
+        check_head_path(model.draft, config.input.storage_options)
     return plan_shards(config)
 
 

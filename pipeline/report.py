@@ -1,7 +1,8 @@
 """OUTPUT/report.html: one self-contained page (inline CSS and SVG, no script, no network) about a job.
 
-Built only from what the output folder holds (_job.json, the lease, stats parts, retries, errors),
-so `specbatch report OUTPUT` can rebuild it for a finished job, a stopped one or one still running.
+Built only from what the output folder holds (_job.json, the lease, stats parts, retries, errors, the
+machine's load in summary.json, a few rows of the first data files), so `specbatch report OUTPUT` can
+rebuild it for a finished job, a stopped one or one still running.
 """
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from html import escape
 import pyarrow.parquet as pq
 import yaml
 
-from pipeline.job_state import LEASE, MANIFEST, committed_shards, lease_alive
+from pipeline.job_state import committed_shards, job_status, read_manifest
+from pipeline.noise import SPREAD_LIMIT, MachineLoad, load_of, load_text, ms_per_pass, spread, verdict
+from pipeline.samples import clip, read_samples
 from pipeline.summary import busy_seconds, failed_rows
 from pipeline.svg import bar_chart, line_chart
 from workers.schemas import Counters, ShardStats
 from workers.storage import Store
 
 SHOWN_ROWS = 50  # rows of the longer tables (slowest shards, failed rows, retries)
+SAMPLES_PER_GROUP, SAMPLE_GROUPS = 3, 10  # sample completions: per category (or task), and categories shown
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1000px; color: #222; padding: 0 16px; }
@@ -36,6 +40,8 @@ svg.chart { display: block; margin: 8px 0; max-width: 100%; height: auto; }
 svg.chart text { font: 11px system-ui, sans-serif; fill: #333; }
 svg.chart .axis { stroke: #333; } svg.chart .grid { stroke: #eee; }
 .note { color: #666; font-size: 13px; }
+.warn { background: #fff4e5; border-left: 4px solid #f0a020; padding: 6px 10px; }
+td.text { white-space: pre-wrap; max-width: 420px; vertical-align: top; }
 """
 
 
@@ -46,18 +52,19 @@ def write_report(store: Store, stats: list[ShardStats] | None = None) -> str:
 
 
 def build_report(store: Store, stats: list[ShardStats] | None = None) -> str:
-    manifest = store.read_json(MANIFEST)
-    if manifest is None:
-        raise FileNotFoundError(f"{store.root} holds no specbatch job (no {MANIFEST})")
+    manifest = read_manifest(store)
     stats = sorted(committed_shards(store).values() if stats is None else stats, key=lambda s: s.shard_id)
     retries = sorted((json.loads(store.read("stats", "retries", url.rsplit("/", 1)[-1]))
                       for url in store.list("stats", "retries", suffixes=[".json"])), key=lambda r: r["at"])
     failed = (store.apply(lambda fs, path: pq.read_table(path, filesystem=fs), "read", "errors.parquet")
               if store.exists("errors.parquet") else failed_rows(store, stats)).to_pylist()
-    lease = store.read_json(LEASE)
-    status = ("finished" if store.exists("_SUCCESS") else "running" if lease and lease_alive(lease) else "incomplete")
-    body = [_header(manifest, stats, status, store.root), _throughput(stats), _speculation(manifest, stats),
-            _rows(stats, failed), _runs(manifest, stats, retries), _workers(stats), _setup(manifest)]
+    status = job_status(store)
+    load = load_of((store.read_json("summary.json") or {}).get("noise"))
+    found = spread(ms_per_pass(stats))
+    warning = f'<p class="warn">{escape(verdict(found, load))}.</p>' if found and found.noisy else ""
+    body = [_header(manifest, stats, status, store.root, warning), _throughput(stats, load, warning),
+            _speculation(manifest, stats),
+            _rows(stats, failed), _samples(store), _runs(manifest, stats, retries), _workers(stats), _setup(manifest)]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(manifest["name"])} – '
             f'specbatch report</title><style>{CSS}</style></head><body>{"".join(body)}'
             f'<p class="note">Written {_when(datetime.datetime.now().timestamp())} by specbatch report.</p></body></html>')
@@ -67,10 +74,12 @@ def _when(epoch: float | None) -> str:
     return datetime.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S") if epoch else "–"
 
 
-def _table(header: list[str], rows: list[list], numeric: set[int] = frozenset()) -> str:
+def _table(header: list[str], rows: list[list], numeric: set[int] = frozenset(), text: set[int] = frozenset()) -> str:
+    """A table of escaped cells; `numeric` columns align right, `text` columns keep their line breaks."""
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f'<td class="n">{_cell(v)}</td>' if i in numeric else f"<td>{_cell(v)}</td>"
-                                    for i, v in enumerate(row)) + "</tr>" for row in rows)
+    classes = {**{i: ' class="n"' for i in numeric}, **{i: ' class="text"' for i in text}}
+    body = "".join("<tr>" + "".join(f"<td{classes.get(i, '')}>{_cell(v)}</td>" for i, v in enumerate(row)) + "</tr>"
+                   for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -87,13 +96,13 @@ def _figures(items: list[tuple[str, str]]) -> str:
                                              for k, v in items) + "</div>"
 
 
-def _header(manifest: dict, stats: list[ShardStats], status: str, root: str) -> str:
+def _header(manifest: dict, stats: list[ShardStats], status: str, root: str, warning: str) -> str:
     total = Counters.total(stats)
     generating = busy_seconds((s.started_at, s.finished_at) for s in stats)
     planned = manifest.get("shards_planned")
     shards = f"{len(stats)} of {planned}" if planned else str(len(stats))
     return (f'<h1>{escape(manifest["name"])} <span class="status {status}">{status}</span></h1>'
-            f'<div class="note">{escape(root)} · started {_when(manifest.get("started"))}</div>'
+            f'<div class="note">{escape(root)} · started {_when(manifest.get("started"))}</div>{warning}'
             + _figures([("shards committed", shards), ("rows", f"{total.rows:,}"), ("failed rows", f"{total.failed_rows:,}"),
                         ("generated tokens", f"{total.generated_tokens:,}"),
                         ("tokens/s while generating", f"{total.generated_tokens / generating:,.1f}" if generating else "–"),
@@ -109,7 +118,7 @@ def _by_worker(stats: list[ShardStats]) -> dict[str, list[ShardStats]]:
     return dict(workers)
 
 
-def _throughput(stats: list[ShardStats]) -> str:
+def _throughput(stats: list[ShardStats], load: MachineLoad | None, warning: str) -> str:
     if not stats:
         return "<h2>Throughput</h2><p>No shard has been committed yet.</p>"
     t0 = min(s.started_at for s in stats)
@@ -127,7 +136,25 @@ def _throughput(stats: list[ShardStats]) -> str:
             + "<h3>Slowest shards</h3>"
             + _table(["shard", "worker", "rows", "tokens", "wall s", "tokens/s", "attempt"],
                      [[s.shard_id, s.worker_id, s.rows, s.generated_tokens, s.wall_s, s.tokens_per_s, s.attempt]
-                      for s in slowest], numeric={2, 3, 4, 5, 6}))
+                      for s in slowest], numeric={2, 3, 4, 5, 6})
+            + _pass_times(stats, load, warning))
+
+
+def _pass_times(stats: list[ShardStats], load: MachineLoad | None, warning: str) -> str:
+    """Each shard's ms per target pass, slowest first, and whether they disagree enough to blame the machine."""
+    times = ms_per_pass(stats)
+    found = spread(times)
+    if found is None:
+        return "<h3>Time per target pass</h3><p>Fewer than two shards made enough target passes to compare.</p>"
+    machine = f" At the end of the last run: {escape(load_text(load))}." if load else ""
+    judged = warning or (f"<p>Shards agree within {found.ratio:.1f}x (the limit is {SPREAD_LIMIT:g}x): "
+                         f"a steady machine.{machine}</p>")
+    by_id = {s.shard_id: s for s in stats}
+    slowest = sorted(times, key=times.__getitem__, reverse=True)[:SHOWN_ROWS]
+    return ("<h3>Time per target pass</h3>" + judged
+            + _table(["shard", "worker", "target passes", "ms per pass", "× fastest"],
+                     [[i, by_id[i].worker_id, by_id[i].target_passes, times[i], times[i] / found.fastest_ms]
+                      for i in slowest], numeric={2, 3, 4}))
 
 
 def _speculation(manifest: dict, stats: list[ShardStats]) -> str:
@@ -165,6 +192,22 @@ def _rows(stats: list[ShardStats], failed: list[dict]) -> str:
     return part
 
 
+def _samples(store: Store) -> str:
+    """A few completions, per category or task where the output kept such a column; every cell escaped."""
+    samples = read_samples(store, SAMPLES_PER_GROUP, SAMPLE_GROUPS)
+    if not samples.rows:
+        return ""
+    group = [samples.group_column] if samples.group_column else []
+    rows = [[*(str(r[c]) for c in group), r["id"], clip(r["prompt"], 300),
+             r["error"] if r["error"] else clip(r["completion"], 600), r["finish_reason"], r["completion_tokens"] or 0]
+            for r in samples.rows]
+    text = {len(group) + 1, len(group) + 2}
+    return ("<h2>Sample completions</h2>"
+            f'<p class="note">From the first data files{" per " + escape(group[0]) if group else ""}; '
+            "all rows are in data/*.parquet.</p>"
+            + _table([*group, "id", "prompt", "completion", "finish", "tokens"], rows, numeric={len(group) + 4}, text=text))
+
+
 def _runs(manifest: dict, stats: list[ShardStats], retries: list[dict]) -> str:
     resumed = [s for s in stats if s.run_id != manifest.get("run_id")]
     part = (f"<h2>Runs, resumes and retries</h2><p>Latest run {escape(str(manifest.get('run_id')))} started "
@@ -187,11 +230,13 @@ def _workers(stats: list[ShardStats]) -> str:
     rows = []
     for worker, shards in _by_worker(stats).items():
         t = Counters.total(shards)
-        rows.append([worker, ", ".join(sorted({s.node for s in shards})), ", ".join(sorted({s.device for s in shards})),
+        rows.append([worker, ", ".join(sorted({s.node for s in shards})),
+                     ", ".join(sorted({s.ray_node_id for s in shards if s.ray_node_id})) or "–",
+                     ", ".join(sorted({s.device for s in shards})),
                      len(shards), t.rows, t.generated_tokens, t.tokens_per_s,
                      f"{max(s.peak_mem_bytes for s in shards) / 2**20:,.0f}"])
-    return ("<h2>Workers</h2>" + _table(["worker", "node", "device", "shards", "rows", "tokens", "tokens/s (busy)",
-                                         "peak MiB"], rows, numeric={3, 4, 5, 6, 7}))
+    return ("<h2>Workers</h2>" + _table(["worker", "host", "Ray node id", "device", "shards", "rows", "tokens",
+                                         "tokens/s (busy)", "peak MiB"], rows, numeric={4, 5, 6, 7, 8}))
 
 
 def _setup(manifest: dict) -> str:

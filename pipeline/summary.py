@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.noise import MachineLoad, noise_summary
 from workers.schemas import STATS_SCHEMA, Counters, ShardStats
 from workers.storage import Store
 
@@ -20,12 +21,14 @@ ERROR_COLUMNS = ["id", "sample_index", "prompt", "error"]
 
 @dataclass(frozen=True)
 class RunInfo:
-    """This driver run: its id, when it started, how long it took, how many shards it generated."""
+    """This driver run: its id, when it started, how long it took, how many shards it generated, and what else
+    the machine was doing meanwhile."""
 
     run_id: str
     started: float
     wall_s: float
     shards_run: int
+    load: MachineLoad | None = None
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
@@ -57,6 +60,7 @@ def summarize(stats: list[ShardStats], run: RunInfo, output: str) -> dict:
                               "shards_resumed": len(stats) - run.shards_run, "rows": sum(s.rows for s in mine),
                               "generated_tokens": run_tokens, "wall_s": run.wall_s,
                               "tokens_per_s": run_tokens / run.wall_s if run.wall_s else 0.0}),
+        "noise": noise_summary(stats, run.load),
     }
 
 

@@ -57,3 +57,26 @@ def shard(i: int, worker: str, run_id: str, failed: int = 0, attempt: int = 1) -
                       drafted_tokens=90, accepted_tokens=30 + i, wall_s=2.5 + i % 3, prefill_s=0.1, draft_s=0.2,
                       verify_s=2.0, attempted_by_position=[60, 30, 12], accepted_by_position=[30, 12, 5],
                       k_hist=[2, 3, 15, 0])
+
+
+def run_in_process(config: JobConfig) -> dict:
+    """A whole job without Ray: plan, claim the output, run every shard on one ShardRunner, write the closing
+    files and the report, as run_job does. For tests that need a real output folder in seconds."""
+    import time
+
+    from pipeline.job_state import JobState
+    from pipeline.planner import plan_job
+    from pipeline.report import write_report
+    from pipeline.summary import RunInfo, summarize, write_closing_files
+    from workers.shard_runner import ShardRunner
+
+    plan, state = plan_job(config), JobState(config)
+    state.claim(False, len(plan.shards))
+    runner = ShardRunner(config)
+    stats = [runner.run(spec, 1, state.run_id) for spec in plan.shards]
+    summary = summarize(stats, RunInfo(state.run_id, state.started, time.time() - state.started, len(stats)),
+                        config.output.path)
+    write_closing_files(state.store, stats, summary)
+    write_report(state.store, stats)
+    state.release()
+    return summary

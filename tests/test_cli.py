@@ -73,6 +73,43 @@ def test_bad_configs_and_inputs_are_refused_before_torch_and_ray_load(tmp_path, 
     assert code == 1 and "holds the output of a different config" in err
 
 
+def test_the_driver_plans_and_names_its_workers_without_torch_or_transformers(tmp_path, model_dir, write_input,
+                                                                              write_yaml):
+    """The driver side (CLI, config, planning, output checks, the driver module and its actor class) starts
+    without torch and transformers; only the workers load them."""
+    path = write_input(str(tmp_path / "in.parquet"), prompts(3))
+    config = write_yaml({"input": {"path": path}, "output": {"path": str(tmp_path / "o")}, "model": {"target": model_dir}})
+    probe = ("import sys, ray; import jobs.cli; from pipeline.config_file import load_config; "
+             "from pipeline.planner import plan_job; from pipeline.job_state import JobState; "
+             "from pipeline.driver import WorkerPool, worker_shape; from workers.actor import GenerationWorker; "
+             "config = load_config(sys.argv[1]); plan = plan_job(config); JobState(config).check(False); "
+             "worker_shape(config, {'CPU': 2.0}); ray.remote(GenerationWorker); "
+             "print(len(plan.shards), [m for m in ('torch', 'transformers') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe, config], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "[]"]
+
+
+def test_every_printed_path_is_absolute_and_greedy_samples_are_warned_about(tmp_path, model_dir, write_yaml,
+                                                                            monkeypatch, capsys):
+    config = write_yaml({"input": {"path": "in.jsonl"}, "output": {"path": "o"}, "model": {"target": model_dir}})
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", config, "--set", "input.path=rel/missing.jsonl", "--set", "generation.samples_per_prompt=3"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and err[0].startswith("warning: generation.samples_per_prompt is 3 but generation.temperature is 0")
+    assert err[1] == f"error: {tmp_path / 'rel' / 'missing.jsonl'}: no input files there (looked for .parquet, .jsonl, .json)"
+    assert main(["report", "rel"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'rel'} holds no specbatch job")
+
+
+def test_the_progress_bar_counts_shards_and_notes_output_rows():
+    from pipeline.driver import progress_note
+
+    assert progress_note(48, 600, 12.0) == "48 rows out, 50.0 tokens/s"
+    assert progress_note(0, 0, 0.0) == "0 rows out, 0.0 tokens/s"
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])

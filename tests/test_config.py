@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from pipeline.config_file import ConfigError, load_config
 from pipeline.config_reference import HEADER, reference_table
 from pipeline.job_state import changed_keys, fingerprint
-from workers.config import JobConfig, redacted, template_fields, validation_message
+from workers.config import JobConfig, config_warnings, redacted, template_fields, validation_message
 from workers.storage import is_remote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +99,18 @@ def test_prompt_source_follows_messages_or_template():
     assert templated.input.prompt_column is None and template_fields(templated.input.template) == ["text", "meta"]
     assert JobConfig.model_validate(chat.model_dump()) == chat  # a dumped config validates again
     assert template_fields("no fields") == []
+
+
+def test_identical_samples_are_warned_about_not_refused():
+    def warnings(**generation) -> list[str]:
+        return config_warnings(JobConfig.model_validate({"input": {"path": "x"}, "output": {"path": "o"},
+                                                         "model": {"target": "m"}, "generation": generation}))
+
+    assert warnings(samples_per_prompt=4) == [
+        "generation.samples_per_prompt is 4 but generation.temperature is 0 (greedy decoding): every sample of a "
+        "prompt will be the same completion; set generation.temperature above 0 for different samples"]
+    assert "generation.top_k is 1" in warnings(samples_per_prompt=2, temperature=0.7, top_k=1)[0]
+    assert warnings(samples_per_prompt=4, temperature=0.7) == warnings() == warnings(samples_per_prompt=1, top_k=1) == []
 
 
 def test_load_config_with_overrides(tmp_path, write_yaml):
@@ -233,7 +245,7 @@ def test_relative_paths_resolve_against_the_config_file_and_set_paths_against_th
     assert config.input.path == str(folder / "data" / "in.jsonl")
     assert config.output.path == str(tmp_path / "out")
     assert config.model.target == "~/models/m"  # a home path is not relative to the config
-    assert config.model.draft == "drafts/d"  # --set: as typed, relative to the working directory
+    assert config.model.draft == str(folder / "drafts" / "d")  # --set: relative to the working directory
     remote = load_config(str(path), ["input.path=s3://bucket/in/", "model.target=demo:smollm2"])
     assert remote.input.path == "s3://bucket/in/" and remote.model.target == "demo:smollm2"
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from workers.model_paths import check_model_path
-from workers.models import gguf_cache_dir
+from workers.models import _publish, gguf_cache_dir
 
 
 def test_gguf_cache_is_keyed_by_content_not_path_or_mtime(tmp_path, monkeypatch):
@@ -27,3 +29,17 @@ def test_missing_models_are_named(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json|neither"):
         check_model_path(str(tmp_path / "folder"))
+
+
+def test_cached_models_get_the_modes_of_plain_files(tmp_path):
+    """save_pretrained writes the weights through a 0600 temporary file; the cache follows the umask instead."""
+    tokenizer = tiny_tokenizer()
+    tmp = save_model_dir(tmp_path / "m.tmp1", tiny_llama(len(tokenizer), dtype=torch.float32), tokenizer)
+    old = os.umask(0o027)
+    try:
+        out = _publish(tmp, tmp_path / "m")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [out, *out.iterdir()]}
+    assert modes.pop("m") == 0o750 and modes.pop("model.safetensors") == 0o640
+    assert set(modes.values()) == {0o640}

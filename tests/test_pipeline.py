@@ -7,6 +7,7 @@ import threading
 import time
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -53,6 +54,9 @@ def test_s3_to_s3_several_files_and_shards(model_dir, s3, write_input):
     assert {s["worker_id"] for s in stats} <= {"worker-000", "worker-001"}
     assert sum(s["generated_tokens"] for s in stats) == job["generated_tokens"] == sum(r["completion_tokens"] for r in rows)
     assert all(s["started_at"] < s["finished_at"] and s["run_id"] == summary["this_run"]["run_id"] for s in stats)
+    assert len({s["ray_node_id"] for s in stats}) == 1 and len(stats[0]["ray_node_id"]) == 56  # one local Ray node
+    data = ds.dataset(f"{bucket}/out/run1/data".removeprefix("s3://"), filesystem=filesystem(bucket, opts)[0])
+    assert data.count_rows() == len(ids) and data.schema.field("task").type == pa.string()
     report = read_bytes(f"{bucket}/out/run1/report.html", opts).decode()
     assert report.count("<svg") == 4 and 'class="status finished"' in report and "testing" not in report
     manifest = read_bytes(f"{bucket}/out/run1/_job.json", opts).decode()

@@ -24,27 +24,33 @@ CHARTS = 4  # throughput over time, tokens/s per shard, acceptance by position, 
 
 
 def write_shard(store: Store, stats: ShardStats) -> None:
-    """A committed shard as a worker leaves it: its data file, then its stats part."""
+    """A committed shard as a worker leaves it: its data file (with a kept `task` column), then its stats part."""
     reasons = ["stop"] * stats.stop_rows + ["length"] * stats.length_rows + ["error"] * stats.failed_rows
-    rows = [{"id": f"{stats.shard_id}/{n}", "sample_index": 0, "prompt": "p", "completion": None if r == "error" else "c",
+    rows = [{"id": f"{stats.shard_id}/{n}", "sample_index": 0, "prompt": f"tell me <{n}>",
+             "completion": None if r == "error" else f"<b>{stats.shard_id}</b> & co",
              "completion_token_ids": [], "completion_tokens": 0, "finish_reason": r,
-             "error": f"bad <row> of {stats.shard_id}" if r == "error" else None, "seed": n, "prompt_tokens": 3}
+             "error": f"bad <row> of {stats.shard_id}" if r == "error" else None, "seed": n, "prompt_tokens": 3,
+             "task": f"task-{n % 2}"}
             for n, r in enumerate(reasons)]
     sink = pa.BufferOutputStream()
-    pq.write_table(pa.Table.from_pylist(rows, schema=output_schema()), sink)
+    pq.write_table(pa.Table.from_pylist(rows, schema=output_schema([pa.field("task", pa.string())])), sink)
     store.write(sink.getvalue().to_pybytes(), "data", f"{stats.shard_id}.parquet")
     store.write_json(stats.to_dict(), "stats", "parts", f"{stats.shard_id}.json")
 
 
 @pytest.fixture
 def running_job(tmp_path, model_dir):
-    """A job mid-run: one shard resumed from an earlier run, four from this one (one failed row, one retry)."""
+    """A job mid-run: one shard resumed from an earlier run, four from this one (one failed row, one retry, one
+    whose target passes took 4x as long: a busy machine)."""
     config = make_config(model_dir, str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
                          input={"storage_options": {"secret": "hunter2"}})
     state = JobState(config)
     state.claim(overwrite=False, planned_shards=6)
     stats = [shard(0, "worker-000", "earlier-run")]
     stats += [shard(i, f"worker-00{i % 2}", state.run_id, failed=int(i == 3), attempt=1 + (i == 2)) for i in range(1, 5)]
+    stats[4].verify_s *= 4
+    for s in stats[1:]:
+        s.ray_node_id = f"ray-node-{s.worker_id}"
     for s in stats:
         write_shard(state.store, s)
     state.record_retry("shard-00002", 1, "worker-000", "worker died: <ActorDiedError>")
@@ -61,6 +67,13 @@ def test_report_of_a_running_job_then_of_the_finished_one(running_job):
     assert "worker died: &lt;ActorDiedError&gt;" in html and "1 of 5 committed shards were made by earlier runs" in html
     assert "hunter2" not in html and "***" in html  # the config, redacted
     assert not re.search(r"""(src|href)\s*=|url\(|@import""", html), "the report must not load anything"
+    assert html.count("a loaded or throttled machine, not the job") == 2  # at the top and by the pass times
+    assert "shard-00004 400.0 ms" in html and "<td>shard-00004</td><td>worker-000</td>" in html
+    assert "ray-node-worker-000" in html and "ray-node-worker-001" in html and "<td>–</td>" not in html
+    samples = html[html.index("<h2>Sample completions</h2>"):html.index("<h2>Runs")]
+    assert samples.count("<td>task-0</td>") == samples.count("<td>task-1</td>") == 3
+    assert "tell me &lt;0&gt;" in samples and "&lt;b&gt;shard-00000&lt;/b&gt; &amp; co" in samples
+    assert "<b>shard" not in html and "<script" not in html
     run = RunInfo(state.run_id, state.started, 10.0, 4)
     write_closing_files(state.store, stats, summarize(stats, run, state.store.root))
     state.release()
@@ -103,6 +116,9 @@ def test_the_report_renders_in_chromium_with_its_charts_and_no_console_errors(ru
 
     dom = chromium(page.as_uri(), "--dump-dom")
     assert dom.returncode == 0 and console_messages(dom) == []
+    for section in ("Time per target pass", "Sample completions", "a loaded or throttled machine", "ray-node-worker-001"):
+        assert section in dom.stdout
+    assert "&lt;b&gt;shard-00000&lt;/b&gt; &amp; co" in dom.stdout and "<b>shard-" not in dom.stdout  # text, not markup
     charts = re.findall(r"<svg.*?</svg>", dom.stdout, flags=re.S)
     assert len(charts) == CHARTS and all(("<rect" in c or "<polyline" in c) and "<text" in c for c in charts)
     shot = tmp_path / "report.png"

@@ -178,7 +178,9 @@ class GenerationConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; applied to target and draft alike")
     top_k: int = Field(0, ge=0, description="`0` = off; applied to target and draft alike")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="each row's seed derives from it, the row id and the sample index")
-    samples_per_prompt: int = Field(1, ge=1, description="completions per row (`sample_index` 0..n-1)")
+    samples_per_prompt: int = Field(1, ge=1, description=(
+        "completions per input row (`sample_index` 0..n-1); more than 1 needs `temperature` above 0 (and `top_k` "
+        "not 1): greedy samples are identical, and `run` and `submit` warn"))
     stop: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list, description="stop strings besides the model's EOS (the completion ends before them)")
     chat_template: bool = Field(True, description="wrap plain prompts in the tokenizer's chat template")
@@ -215,7 +217,9 @@ class ResourcesConfig(_Section):
 
 
 class ShardingConfig(_Section):
-    rows_per_shard: int = Field(256, ge=1, description="rows per shard (JSONL: estimated from the first 64 KiB)")
+    rows_per_shard: int = Field(256, ge=1, description=(
+        "input rows per shard, the unit of scheduling, retry and resume; each input row gives "
+        "`samples_per_prompt` output rows (JSONL: estimated from the first 64 KiB)"))
 
 
 class RetriesConfig(_Section):
@@ -234,6 +238,16 @@ class JobConfig(_Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
+
+
+def config_warnings(config: JobConfig) -> list[str]:
+    """What a valid config asks for that its author rarely means: said before the job starts, never refused."""
+    g = config.generation
+    if g.samples_per_prompt > 1 and (g.temperature == 0 or g.top_k == 1):
+        why = "generation.temperature is 0 (greedy decoding)" if g.temperature == 0 else "generation.top_k is 1"
+        return [f"generation.samples_per_prompt is {g.samples_per_prompt} but {why}: every sample of a prompt "
+                "will be the same completion; set generation.temperature above 0 for different samples"]
+    return []
 
 
 def is_secret(key: str, value: Any) -> bool:

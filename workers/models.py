@@ -84,6 +84,7 @@ def _convert_gguf(gguf: Path) -> Path:
 
 def _publish(tmp: Path, out: Path) -> Path:
     """Move a finished cache folder into place; several workers on one node may race, the first one wins."""
+    _plain_modes(tmp)
     (tmp / "_COMPLETE").touch()
     try:
         tmp.rename(out)
@@ -92,6 +93,16 @@ def _publish(tmp: Path, out: Path) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _plain_modes(folder: Path) -> None:
+    """Give a cache folder the modes plain files get under the user's umask (0644/0755, or 0640/0750 under 027),
+    like the rest of ~/.cache: transformers writes model.safetensors through a temporary file, which is 0600,
+    so the group could read every file of the cache but the weights."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _download_folder(url: str, storage_options: dict) -> Path:

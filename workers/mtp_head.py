@@ -31,9 +31,10 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from workers.storage import exists, join, read_bytes, write_bytes_atomic
+from workers.model_paths import HEAD_CONFIG, check_head_path
+from workers.storage import join, read_bytes, write_bytes_atomic
 
-WEIGHTS, CONFIG, REPORT = "head.safetensors", "config.json", "report.json"
+WEIGHTS, CONFIG, REPORT = "head.safetensors", HEAD_CONFIG, "report.json"
 _BLOCK_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "rms_norm_eps", "max_position_embeddings")
 
@@ -154,8 +155,7 @@ def save_head(head: MTPHead, url: str, report: dict, storage_options: dict | Non
 
 
 def read_spec(url: str, storage_options: dict | None = None) -> HeadSpec:
-    if not exists(join(url, CONFIG), storage_options):
-        raise FileNotFoundError(f"{url} holds no MTP head ({CONFIG} missing); build one with `specbatch distill`")
+    check_head_path(url, storage_options)
     return HeadSpec(**json.loads(read_bytes(join(url, CONFIG), storage_options)))
 
 

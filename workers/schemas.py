@@ -139,6 +139,7 @@ class ShardStats(Counters):
     shard_id: str
     worker_id: str
     node: str
+    ray_node_id: str | None = None  # the Ray node the worker ran on (None outside Ray: the benchmark, tests)
     device: str
     run_id: str  # the driver run that dispatched it; earlier runs' shards were resumed
     attempt: int
@@ -157,8 +158,9 @@ class ShardStats(Counters):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardStats:
-        """Read back a record written by to_dict (a stats part file)."""
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})  # older parts lack newer counters
+        """Read back a record written by to_dict (a stats part file); fields added since it was written take
+        their defaults, so a job started by an older version resumes."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def to_dict(self) -> dict[str, Any]:
         """The stored fields (a stats part file)."""
@@ -170,7 +172,8 @@ class ShardStats(Counters):
 
     @classmethod
     def arrow_schema(cls) -> pa.Schema:
-        arrow = {str: pa.string(), int: pa.int64(), float: pa.float64(), list[int]: pa.list_(pa.int64())}
+        arrow = {str: pa.string(), str | None: pa.string(), int: pa.int64(), float: pa.float64(),
+                 list[int]: pa.list_(pa.int64())}
         hints = get_type_hints(cls)
         identity = [f for f in fields(cls) if f.name not in _COUNTER_NAMES]
         ordered = identity + [f for f in fields(cls) if f.name in _COUNTER_NAMES]

@@ -116,6 +116,16 @@ def read_shard(spec: ShardSpec, cfg: InputConfig, keep_columns: Sequence[str] = 
     return rows
 
 
+def declared_types(spec: ShardSpec, cfg: InputConfig) -> dict[str, pa.DataType]:
+    """The column types the shard's file declares: a Parquet footer's, so that every shard of the file writes
+    its kept columns with one type (a shard whose values are all null would otherwise write type null, and
+    the output's data files would not read as one dataset). JSONL declares none."""
+    if spec.kind != "parquet":
+        return {}
+    schema = on_storage(spec.url, cfg.storage_options, lambda fs, path: pq.read_schema(path, filesystem=fs), "read")
+    return {f.name: f.type for f in schema}
+
+
 def _column_sources(cfg: InputConfig, keep_columns: Sequence[str]) -> list[tuple[str, str]]:
     """(column, the config key that names it) for every column a shard reads."""
     sources = [(c, "input.template") for c in template_fields(cfg.template)] if cfg.template else []

@@ -17,9 +17,10 @@ from workers.config import JobConfig
 from workers.engine.generator import Completion, Request
 from workers.registry import Models, encode_prompt, load_models, make_generator, pick_device
 from workers.schemas import ShardStats, output_schema
-from workers.shard_io import InputRow, ShardSpec, read_shard, write_shard_output
+from workers.shard_io import InputRow, ShardSpec, declared_types, read_shard, write_shard_output
 from workers.storage import join, write_bytes_atomic
-from workers.verify_sample import RowCheck, check_rows
+from workers.verify_rows import check_rows
+from workers.verify_sample import RowCheck
 
 
 def row_seed(job_seed: int, row_id: str, sample_index: int) -> int:
@@ -31,8 +32,9 @@ def row_seed(job_seed: int, row_id: str, sample_index: int) -> int:
 class ShardRunner:
     """Holds the models once; turns shard specs into committed output files and stats rows."""
 
-    def __init__(self, config: JobConfig, worker_id: str = "local", models: Models | None = None):
-        self.config, self.worker_id = config, worker_id
+    def __init__(self, config: JobConfig, worker_id: str = "local", models: Models | None = None,
+                 ray_node_id: str | None = None):
+        self.config, self.worker_id, self.ray_node_id = config, worker_id, ray_node_id
         self.device = pick_device()
         self.models = models or load_models(config, self.device)
         self.generator = make_generator(config, self.models)
@@ -75,12 +77,14 @@ class ShardRunner:
         rows = read_shard(spec, self.config.input, self.config.output.keep_columns)
         requests, slots = self._requests(rows)
         result = self.generator.generate(requests)
-        table = self._table(slots, iter(result.completions))
+        keep_types = declared_types(spec, self.config.input) if self.config.output.keep_columns else {}
+        table = self._table(slots, iter(result.completions), keep_types)
         out = self.config.output
         write_shard_output(out.path, spec.shard_id, table, out.storage_options)
         stats = ShardStats.from_generation(
             result.stats, table.column("finish_reason").to_pylist(),
-            shard_id=spec.shard_id, worker_id=self.worker_id, node=platform.node(), device=str(self.device),
+            shard_id=spec.shard_id, worker_id=self.worker_id, node=platform.node(), ray_node_id=self.ray_node_id,
+            device=str(self.device),
             run_id=run_id, attempt=attempt, started_at=started_at, finished_at=time.time(),
             wall_s=time.perf_counter() - started, peak_mem_bytes=_peak_memory(self.device))
         write_bytes_atomic(join(out.path, "stats", "parts", f"{spec.shard_id}.json"),
@@ -96,7 +100,7 @@ class ShardRunner:
         out = self.config.output
         return check_rows(self.generator, spec.shard_id, out.path, out.storage_options, by_row, picks)
 
-    def _table(self, slots, completions) -> pa.Table:
+    def _table(self, slots, completions, keep_types: dict[str, pa.DataType]) -> pa.Table:
         records = []
         for row, sample, seed, error in slots:
             done: Completion = Completion([], "", "error", error) if error else next(completions)
@@ -113,7 +117,8 @@ class ShardRunner:
                             [[{"token_id": t, "logprob": lp} for t, lp in position] for position in done.top_logprobs],
                             **row.keep})
         keep = self.config.output.keep_columns
-        keep_fields = [pa.field(c, pa.array([r[c] for r in records]).type if records else pa.null()) for c in keep]
+        keep_fields = [pa.field(c, keep_types.get(c) or (pa.array([r[c] for r in records]).type if records else pa.null()))
+                       for c in keep]
         return pa.Table.from_pylist(records, schema=output_schema(keep_fields))
 
 

@@ -85,6 +85,14 @@ def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
+def absolute(path: str) -> str:
+    """A local path made absolute (against the working directory, ~ expanded) so that every printed path can be
+    used from anywhere; URLs (s3://, file://) unchanged."""
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
     """The fsspec filesystem and in-filesystem path for a URL (instances are cached by fsspec)."""
     return url_to_fs(url, **(storage_options or {}))

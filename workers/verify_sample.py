@@ -3,20 +3,15 @@ and compare them token for token with what the job wrote.
 
 Speculation is lossless by construction; this is the cheap proof of it on the user's own model, dtype
 and device. The rows are picked by the driver (spread over the whole job, the same for the same job)
-and checked by the workers, which already hold the models.
+and checked by the workers, which already hold the models (workers/verify_rows.py). This module is the
+contract between the two and the driver's half: no torch here.
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import pyarrow.parquet as pq
-
-from workers.engine.controller import FixedK
-from workers.engine.drafter import NoDrafter
-from workers.engine.generator import Request, SpeculativeGenerator
 from workers.schemas import ShardStats
-from workers.storage import join, on_storage
 
 
 @dataclass(frozen=True)
@@ -41,12 +36,6 @@ def pick_rows(stats: list[ShardStats], n: int, seed: int) -> dict[str, list[int]
     return picks
 
 
-def plain_generator(generator: SpeculativeGenerator) -> SpeculativeGenerator:
-    """The same target, tokenizer and settings, without speculation."""
-    return SpeculativeGenerator(generator.target, generator.tokenizer, NoDrafter(), FixedK(0),
-                                replace(generator.settings, max_k=0))
-
-
 def first_difference(job: list[int], plain: list[int]) -> tuple[int, int, int] | None:
     """(position, job token, plain token) of the first difference, -1 for the side that ended; None if equal."""
     for position in range(max(len(job), len(plain))):
@@ -55,24 +44,6 @@ def first_difference(job: list[int], plain: list[int]) -> tuple[int, int, int] |
         if a != b:
             return position, a, b
     return None
-
-
-def check_rows(generator: SpeculativeGenerator, shard_id: str, output_url: str, storage_options: dict | None,
-               requests: list[Request | None], picks: list[int]) -> list[RowCheck]:
-    """Regenerate the picked rows of a committed shard (`requests[i]` is output row i's request, None for a
-    row that failed) and compare each with the job's tokens."""
-    columns = ["id", "sample_index", "completion_token_ids", "finish_reason"]
-    table = on_storage(join(output_url, "data", f"{shard_id}.parquet"), storage_options,
-                       lambda fs, path: pq.read_table(path, filesystem=fs, columns=columns), "read")
-    written = table.to_pylist()
-    runnable = [i for i in picks if requests[i] is not None and written[i]["finish_reason"] != "error"]
-    result = plain_generator(generator).generate([requests[i] for i in runnable])
-    checks = []
-    for i, done in zip(runnable, result.completions):
-        row = written[i]
-        diff = first_difference(row["completion_token_ids"], done.token_ids)
-        checks.append(RowCheck(shard_id, row["id"], row["sample_index"], len(done.token_ids), *(diff or (None,))))
-    return checks
 
 
 def summarize_checks(checks: list[RowCheck]) -> dict:

@@ -68,7 +68,7 @@ def run_bench(args: argparse.Namespace) -> int:
                + (f" --split {split}" if split else "") + f" --out {args.out}")
     try:
         cfg: BenchConfig = load_bench_config(args.config, args.quick, split)
-        results = benchmark(cfg, Path(args.out), command, args.quick)
+        results = benchmark(cfg, Path(args.out).resolve(), command, args.quick)  # printed: absolute
     except BenchError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
