@@ -37,9 +37,10 @@ SHAPES = Path(__file__).resolve().parent.parent / "configs" / "shapes"
 STEPS = ("captured", "eager")
 
 
-def random_target(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> PreTrainedModel:
-    """A model of `shape` (configs/shapes/NAME.json) with random weights, made on the device."""
-    config = AutoConfig.for_model(**json.loads((SHAPES / f"{shape}.json").read_text()))
+def random_target(shape: str | dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> PreTrainedModel:
+    """A model of `shape` (configs/shapes/NAME.json, or a config dict) with random weights, made on the device."""
+    fields = shape if isinstance(shape, dict) else json.loads((SHAPES / f"{shape}.json").read_text())
+    config = AutoConfig.for_model(**fields)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -70,8 +71,8 @@ def generate(model: DecodingModel, prompts: list[list[int]], drafter, k: int, ba
     return generator.generate([Request(str(i), p, i) for i, p in enumerate(prompts)])
 
 
-def exactness(device: torch.device, rows: int, max_new: int) -> list[dict]:
-    model = random_target("smollm2-135m", torch.float64, device)
+def exactness(device: torch.device, rows: int, max_new: int, shape: str | dict = "smollm2-135m") -> list[dict]:
+    model = random_target(shape, torch.float64, device)
     prompts = random_prompts(rows, model.config.vocab_size, seed=1)
     references = [hf_greedy(model, p, max_new) for p in prompts]
     by_prompt = {tuple(p): r for p, r in zip(prompts, references)}
@@ -89,8 +90,9 @@ def exactness(device: torch.device, rows: int, max_new: int) -> list[dict]:
     return out
 
 
-def decoding_speed(device: torch.device, batches: list[int], max_new: int) -> list[dict]:
-    model = random_target("smollm2-135m", torch.bfloat16, device)
+def decoding_speed(device: torch.device, batches: list[int], max_new: int,
+                   shape: str | dict = "smollm2-135m") -> list[dict]:
+    model = random_target(shape, torch.bfloat16, device)
     prompts = random_prompts(max(batches), model.config.vocab_size, seed=2)
     out = []
     for batch in batches:
@@ -112,7 +114,7 @@ def decoding_speed(device: torch.device, batches: list[int], max_new: int) -> li
     return out
 
 
-def pass_costs(device: torch.device, shape: str, batches: list[int], widths: list[int], context: int,
+def pass_costs(device: torch.device, shape: str | dict, batches: list[int], widths: list[int], context: int,
                repeats: int) -> list[dict]:
     model = random_target(shape, torch.bfloat16, device)
     bandwidth = measure_bandwidth(device)
@@ -130,7 +132,7 @@ def pass_costs(device: torch.device, shape: str, batches: list[int], widths: lis
                 run()
                 ms = 1e3 * statistics.median(timed(device, run)[1] for _ in range(repeats))
                 floor = 1e3 * (weights + kv * batch * (context + width)) / bandwidth
-                out.append({"shape": shape, "step": step, "batch": batch, "width": width, "ms": ms, "floor_ms": floor})
+                out.append({"shape": shape if isinstance(shape, str) else "custom", "step": step, "batch": batch, "width": width, "ms": ms, "floor_ms": floor})
                 print(f"pass {shape} {step} b={batch} w={width}: {ms:.2f} ms (floor {floor:.2f})", flush=True)
             del lm
             torch.cuda.empty_cache() if device.type == "cuda" else None

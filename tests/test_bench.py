@@ -264,17 +264,21 @@ def test_cuda_config_is_refused_without_a_gpu(tmp_path, capsys):
     assert code == 2 and "device: cuda" in capsys.readouterr().err
 
 
-def test_gpu_check_script_runs_both_parts_and_reports_differences(model_dir, tmp_path, one_torch_thread):
-    """The GPU script, tried on the CPU with a tiny model: fp32 exactness cells, then the throughput bench."""
-    config = tiny_bench_config(model_dir, write_suite(tmp_path / "suite"), batch_sizes=[1],
-                               passes={"batch_sizes": [1], "widths": [1, 2], "repeats": 1})
-    path = tmp_path / "gpu.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert gpu_check.main(["--config", str(path), "--out", str(tmp_path / "gpu"), "--device", "cpu"]) == 0
-    exact = pq.read_table(tmp_path / "gpu" / "fp32-exactness" / "results.parquet").to_pylist()
-    assert {r["batch_size"] for r in exact} <= {1, 16} and exact and all(r["rows_matching"] == r["rows_checked"] for r in exact)
-    assert (tmp_path / "gpu" / "bf16" / "results.md").stat().st_size > 0
-    row = {"family": "specbatch", "workload": "mix", "batch_size": 16, "system": "specbatch ngram k=4",
-           "rows_matching": 3, "rows_checked": 4, "rows_as_k0": 16, "rows": 16}
-    assert gpu_check.mismatches([row, {**row, "rows_matching": 4}]) == [
-        "mix batch 16 specbatch ngram k=4: 3/4 equal transformers, 16/16 equal k=0"]
+TINY_SHAPE = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 512,
+              "initializer_range": 0.2}
+
+
+def test_gpu_check_parts_run_on_a_tiny_shape(one_torch_thread):
+    """The GPU script's three parts, tried on the CPU with a tiny random shape: exactness of the captured and
+    eager steps against transformers, tokens/s captured against eager, and the pass-cost table."""
+    cpu = torch.device("cpu")
+    exact = gpu_check.exactness(cpu, rows=3, max_new=6, shape=TINY_SHAPE)
+    assert {(r["step"], r["batch"]) for r in exact} == {(s, b) for s in ("captured", "eager") for b in (1, 16)}
+    assert all(r["equal"] == r["rows"] == 3 for r in exact)
+    speed = gpu_check.decoding_speed(cpu, [1, 2], 4, shape=TINY_SHAPE)
+    assert [r["batch"] for r in speed] == [1, 2] and all(r["captured_tok_s"] > 0 and r["eager_tok_s"] > 0 for r in speed)
+    passes = gpu_check.pass_costs(cpu, TINY_SHAPE, [1, 2], [1, 4], context=16, repeats=1)
+    assert len(passes) == 2 * 2 * 2 and all(r["ms"] > 0 and r["floor_ms"] > 0 for r in passes)
+    table = gpu_check.markdown({"device": "cpu", "shape": "custom", "exactness": exact, "speed": speed, "passes": passes})
+    assert "| captured | 2 | 4 |" in table and "3/3" in table

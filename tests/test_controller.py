@@ -23,7 +23,8 @@ from tests.test_generator import MAX_NEW as GEN_MAX_NEW
 from tests.pipeline_helpers import make_config
 from tests.tiny_models import OracleDrafter, StubTokenizer, tiny_llama
 from workers.engine.acceptance import Estimates, trials
-from workers.engine.controller import AdaptiveK, Controller, CostModel, FixedK, StepRecord
+from workers.engine.controller import AdaptiveK, Controller, FixedK, StepRecord
+from workers.engine.costs import CostModel
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import COPY_PRIOR, DEFAULT_PRIOR

@@ -14,7 +14,8 @@ import torch
 
 from workers.config import JobConfig, SpeculationConfig
 from workers.engine.composed_drafter import ComposedDrafter
-from workers.engine.controller import AdaptiveK, Controller, CostModel, FixedK
+from workers.engine.controller import AdaptiveK, Controller, FixedK
+from workers.engine.costs import CostModel
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import DEFAULT_PRIOR, Drafter, NoDrafter
 from workers.engine.generator import GenerationSettings, SpeculativeGenerator

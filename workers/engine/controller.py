@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workers.engine.acceptance import ACCEPT, Estimates, trials
+from workers.engine.costs import CostModel
 from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import DEFAULT_PRIOR
 from workers.engine.offers import best_offers, drain_weights, pass_rates
@@ -64,61 +65,6 @@ class FixedK(Controller):
 
     def choose(self, n_rows: int, remaining: np.ndarray | None = None) -> np.ndarray:
         return np.full(n_rows, self.k)
-
-
-class CostModel:
-    """Verify time by (rows, width) from measured cell means, interpolated between measured widths and
-    extended past them along the last measured slope; a least-squares fit t = a + b*n + c*n*w covers
-    row counts not measured yet. Until passes of more than one width have been measured, a further column
-    is taken to cost `column_share` of a width-1 pass: optimistic (a pass that reads the weights once costs
-    little more per column), so a controller whose rows would gain tries a wider pass and measures the truth,
-    instead of never leaving k = 0 on a guess. Draft time per drafted column is a running mean. A test may
-    inject any object with the same observe / verify / draft methods."""
-
-    def __init__(self, column_share: float = 0.1):
-        self.cells: dict[tuple[int, int], tuple[float, int]] = {}
-        self.coef = np.array([1.0, 0.0, 0.0])
-        self.column_share = column_share
-        self.draft_per_column = 0.0
-
-    def observe(self, n: int, width: int, verify_s: float, columns: int, draft_s: float) -> None:
-        mean, count = self.cells.get((n, width), (0.0, 0))
-        weight = 1.0 / min(count + 1, 20)  # a running mean that keeps adapting to the machine
-        self.cells[(n, width)] = (mean + weight * (verify_s - mean), count + 1)
-        if columns:
-            self.draft_per_column += 0.1 * (draft_s / columns - self.draft_per_column)
-        if len(self.cells) > 1:
-            keys = list(self.cells)
-            x = np.array([[1.0, n, n * w] for n, w in keys])
-            y = np.array([self.cells[key][0] for key in keys])
-            sw = np.sqrt([min(self.cells[key][1], 20) for key in keys])
-            coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
-            self.coef = np.maximum(coef, [1e-6, 0.0, 1e-9])
-
-    def _widths_measured(self) -> bool:
-        return len({w for _, w in self.cells}) > 1
-
-    def verify(self, n: int, width: int) -> float:
-        measured = sorted((w, t) for (rows, w), (t, _) in self.cells.items() if rows == n)
-        if not measured:
-            if self._widths_measured():
-                return float(self.coef @ [1.0, n, n * width])
-            base = float(self.coef @ [1.0, n, n])
-            return base * (1.0 + self.column_share * (width - 1))
-        widths, times = np.array([w for w, _ in measured], float), np.array([t for _, t in measured])
-        if len(measured) == 1:
-            slope = self.coef[2] * n if self._widths_measured() else self.column_share * times[0] / widths[0]
-        else:
-            end = -1 if width >= widths[-1] else 1
-            pair = slice(-2, None) if end == -1 else slice(0, 2)
-            slope = max(0.0, float(np.diff(times[pair])[0] / np.diff(widths[pair])[0]))
-        if widths[0] <= width <= widths[-1]:
-            return float(np.interp(width, widths, times))
-        anchor = -1 if width > widths[-1] else 0
-        return max(1e-9, float(times[anchor] + slope * (width - widths[anchor])))
-
-    def draft(self, n: int, columns: int) -> float:
-        return self.draft_per_column * columns
 
 
 class AdaptiveK(Controller):

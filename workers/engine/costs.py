@@ -1,0 +1,114 @@
+"""What a pass costs: measured online (CostModel), and predicted from the hardware (the roofline prior).
+
+The controller prices each step's offers with CostModel's measured cells; `specbatch plan` reads the same
+cells from a pilot run and, for a machine it cannot run on, the roofline: a pass must read the weights
+once and each row's KV, and must do 2 FLOPs per parameter per token, so it takes at least
+max(bytes / bandwidth, FLOPs / peak). A small model on a GPU sits far above that floor (launch overhead:
+`overhead_s`); a 7B+ model in bf16 stays near the bandwidth side until rows x width nears
+peak / bandwidth x bytes per parameter / 2 (about a hundred tokens on an H100).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """An accelerator's published memory bandwidth and dense peak (bf16 tensor cores), and the fixed cost
+    of one captured pass (graph launch, sampling)."""
+    name: str
+    bandwidth: float      # bytes/s
+    peak_flops: float     # FLOP/s, dense bf16
+    overhead_s: float = 1e-3
+
+
+HARDWARE = {h.name: h for h in (
+    Hardware("h100", 3.35e12, 989e12),   # H100 SXM5 80 GB datasheet
+    Hardware("h200", 4.8e12, 989e12),    # H200 SXM 141 GB datasheet
+    Hardware("a100", 2.04e12, 312e12),   # A100 SXM 80 GB datasheet
+    Hardware("l4", 0.30e12, 121e12),     # L4 24 GB datasheet
+)}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a pass of a decoder reads and computes, from its config: parameters a token multiplies by, and the
+    bytes of keys and values each cached token holds."""
+    params: int                   # multiplied by per token (embedding lookup excluded)
+    kv_values_per_token: int      # keys + values across layers
+    bytes_per_value: int = 2
+
+    @classmethod
+    def of(cls, config, bytes_per_value: int = 2) -> Shape:
+        hidden, layers = config.hidden_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+        mlp = 3 * hidden * config.intermediate_size
+        return cls(layers * (attention + mlp) + hidden * config.vocab_size, 2 * layers * kv_heads * head_dim,
+                   bytes_per_value)
+
+    def pass_s(self, hardware: Hardware, rows: int, width: int, context: float) -> float:
+        """Roofline time of one verify pass of rows x width tokens over `context` cached tokens per row."""
+        weights = self.params * self.bytes_per_value
+        kv = rows * (context + width) * self.kv_values_per_token * self.bytes_per_value
+        flops = 2 * self.params * rows * width + 2 * rows * width * context * self.kv_values_per_token
+        return hardware.overhead_s + max((weights + kv) / hardware.bandwidth, flops / hardware.peak_flops)
+
+
+class CostModel:
+    """Verify time by (rows, width) from measured cell means, interpolated between measured widths and
+    extended past them along the last measured slope; a least-squares fit t = a + b*n + c*n*w covers
+    row counts not measured yet. Until passes of more than one width have been measured, a further column
+    is taken to cost `column_share` of a width-1 pass: optimistic (a pass that reads the weights once costs
+    little more per column), so a controller whose rows would gain tries a wider pass and measures the truth,
+    instead of never leaving k = 0 on a guess. Draft time per drafted column is a running mean. A test may
+    inject any object with the same observe / verify / draft methods."""
+
+    def __init__(self, column_share: float = 0.1):
+        self.cells: dict[tuple[int, int], tuple[float, int]] = {}
+        self.coef = np.array([1.0, 0.0, 0.0])
+        self.column_share = column_share
+        self.draft_per_column = 0.0
+
+    def observe(self, n: int, width: int, verify_s: float, columns: int, draft_s: float) -> None:
+        mean, count = self.cells.get((n, width), (0.0, 0))
+        weight = 1.0 / min(count + 1, 20)  # a running mean that keeps adapting to the machine
+        self.cells[(n, width)] = (mean + weight * (verify_s - mean), count + 1)
+        if columns:
+            self.draft_per_column += 0.1 * (draft_s / columns - self.draft_per_column)
+        if len(self.cells) > 1:
+            keys = list(self.cells)
+            x = np.array([[1.0, n, n * w] for n, w in keys])
+            y = np.array([self.cells[key][0] for key in keys])
+            sw = np.sqrt([min(self.cells[key][1], 20) for key in keys])
+            coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+            self.coef = np.maximum(coef, [1e-6, 0.0, 1e-9])
+
+    def _widths_measured(self) -> bool:
+        return len({w for _, w in self.cells}) > 1
+
+    def verify(self, n: int, width: int) -> float:
+        measured = sorted((w, t) for (rows, w), (t, _) in self.cells.items() if rows == n)
+        if not measured:
+            if self._widths_measured():
+                return float(self.coef @ [1.0, n, n * width])
+            base = float(self.coef @ [1.0, n, n])
+            return base * (1.0 + self.column_share * (width - 1))
+        widths, times = np.array([w for w, _ in measured], float), np.array([t for _, t in measured])
+        if len(measured) == 1:
+            slope = self.coef[2] * n if self._widths_measured() else self.column_share * times[0] / widths[0]
+        else:
+            end = -1 if width >= widths[-1] else 1
+            pair = slice(-2, None) if end == -1 else slice(0, 2)
+            slope = max(0.0, float(np.diff(times[pair])[0] / np.diff(widths[pair])[0]))
+        if widths[0] <= width <= widths[-1]:
+            return float(np.interp(width, widths, times))
+        anchor = -1 if width > widths[-1] else 0
+        return max(1e-9, float(times[anchor] + slope * (width - widths[anchor])))
+
+    def draft(self, n: int, columns: int) -> float:
+        return self.draft_per_column * columns
