@@ -10,6 +10,7 @@ import sys
 from jobs.describe import describe
 from pipeline.config_file import ConfigError, load_config
 from pipeline.job_state import installed_version
+from workers.engine.costs import HARDWARE as HARDWARE_NAMES  # numpy only: the CLI stays light
 
 
 EXIT_FAILED_ROWS = 3  # the job finished (_SUCCESS written) but more rows failed than output.max_failed_rows
@@ -141,6 +142,27 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from pipeline.planner import plan_job
+    from workers.shard_io import InputError
+    from workers.storage import StorageError
+
+    config = load_config(args.config, args.set)
+    expected = (InputError, StorageError, FileNotFoundError)
+    try:
+        plan_job(config)  # the same fast checks as run, before torch loads
+    except expected as exc:
+        return _error(exc)
+    from jobs.plan import describe, make_plan, to_json
+
+    try:
+        result = make_plan(config, args.sample, args.hardware, args.workers)
+    except (*expected, ValueError) as exc:
+        return _error(exc)
+    print(to_json(result) if args.json else describe(result))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from jobs.bench import run_bench
 
@@ -204,6 +226,17 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("output", help="the job's output.path (credentials for object storage come from the environment)")
     show.add_argument("--rows", type=int, default=3, metavar="N", help="completions to print (default 3)")
     show.set_defaults(func=_show)
+    plan = sub.add_parser("plan", help="predict a job (tokens, time, cost, best drafter, k and batch size) from a pilot "
+                                       "on a sample of its input")
+    plan.add_argument("config", help="the job YAML")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    plan.add_argument("--sample", type=int, default=None, metavar="ROWS",
+                      help="input rows in the pilot (default: 2%% of the input, at least 8)")
+    plan.add_argument("--hardware", choices=sorted(HARDWARE_NAMES), default=None,
+                      help="simulate on this accelerator (roofline of the target's shape; acceptance from the pilot)")
+    plan.add_argument("--workers", type=int, default=None, help="workers to divide the job among (default: the config's)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=_plan)
     bench = sub.add_parser("bench", help="side-by-side speed benchmark against transformers")
     bench.add_argument("--config", default="configs/bench.yaml")
     bench.add_argument("--quick", action="store_true", help="a few minutes on a laptop CPU")

@@ -28,7 +28,7 @@ HEARTBEAT_S = 30.0
 LEASE_TTL_S = 120.0
 # Sections and keys that change how a job runs but not what it writes: resume ignores them.
 _RUN_ONLY_SECTIONS = ("resources", "retries")
-_RUN_ONLY_KEYS = ("storage_options", "max_failed_rows")
+_RUN_ONLY_KEYS = ("storage_options", "max_failed_rows", "step")  # model.step: how passes run, not what they compute
 
 
 class OutputConflict(RuntimeError):

@@ -214,6 +214,8 @@ class ResourcesConfig(_Section):
     cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per actor; also the actor's torch thread count")
     memory: int | None = Field(None, gt=0, description="optional bytes per actor")
     batch_size: int = Field(16, ge=1, description="rows generated together per worker")
+    price_per_worker_hour: float | None = Field(None, ge=0, description=(
+        "optional price of one worker for an hour, in any currency: `specbatch plan` then predicts the job's cost"))
 
 
 class ShardingConfig(_Section):

@@ -44,7 +44,7 @@ class ShardRunner:
     def _encode(self, row: InputRow) -> list[int]:
         return encode_prompt(self.models.tokenizer, row.prompt, row.messages, self.config.generation.chat_template)
 
-    def _requests(self, rows: list[InputRow]) -> tuple[list[Request], list[tuple[InputRow, int, int, str | None]]]:
+    def requests(self, rows: list[InputRow]) -> tuple[list[Request], list[tuple[InputRow, int, int, str | None]]]:
         """One request per (row, sample); rows that cannot run keep their error and no request."""
         requests, slots, seen = [], [], {}
         for row in rows:
@@ -75,7 +75,7 @@ class ShardRunner:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         rows = read_shard(spec, self.config.input, self.config.output.keep_columns)
-        requests, slots = self._requests(rows)
+        requests, slots = self.requests(rows)
         result = self.generator.generate(requests)
         keep_types = declared_types(spec, self.config.input) if self.config.output.keep_columns else {}
         table = self._table(slots, iter(result.completions), keep_types)
@@ -94,7 +94,7 @@ class ShardRunner:
     def verify(self, spec: ShardSpec, picks: list[int]) -> list[RowCheck]:
         """Regenerate the picked output rows of a committed shard without speculation and compare them
         with what the shard wrote (`specbatch run --verify-sample`)."""
-        requests, slots = self._requests(read_shard(spec, self.config.input, self.config.output.keep_columns))
+        requests, slots = self.requests(read_shard(spec, self.config.input, self.config.output.keep_columns))
         queue = iter(requests)
         by_row = [None if error else next(queue) for *_, error in slots]
         out = self.config.output

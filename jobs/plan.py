@@ -1,0 +1,302 @@
+"""`specbatch plan CONFIG`: a job predicted before it runs, from a pilot on a uniform sample of its input.
+
+The pilot runs the config's own target and drafter over the sample on this machine, which gives what no
+formula knows: completion lengths and how often drafts are accepted, per position. An adaptive config's
+pilot drafts to max_k on every row (an adaptive pilot would measure deep positions only on the rows it
+chose to draft deep, an optimistic sample), so the conditional rate at each position prices every fixed
+k; adaptive k is predicted at the best of them, what the controller aims for.
+Pass times come from the same cost model the controller uses: measured here by a short probe (rows x
+width, on prompts repeated from the sample, so prefix sharing makes their prefill nearly free), or,
+with `--hardware NAME`, the roofline of that accelerator for the target's shape (a simulation, and
+labelled so). The job is then replayed shard by shard as a worker runs it: `batch_size` slots, rows
+of the sampled lengths admitted as others finish, each pass priced by its live rows and width, so the
+drain at the end of every shard is counted too.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.planner import Plan, plan_job
+from workers.config import JobConfig
+from workers.engine.cached_lm import CachedLM
+from workers.engine.costs import HARDWARE, Shape
+from workers.shard_io import InputRow, read_shard
+from workers.registry import make_generator
+from workers.shard_runner import ShardRunner
+
+BATCH_SIZES = (1, 4, 8, 16, 32, 64)
+PROBE_REPEATS = 3
+
+
+@dataclass
+class Pilot:
+    """What the sample's requests did under the config's settings."""
+    tokens: list[int]               # generated tokens per request
+    prompt_tokens: float            # mean per request
+    tokens_per_row_pass: float
+    accept: list[float]             # conditional acceptance per draft position (nan where never tried)
+    overhead_per_row_pass_s: float  # drafting and bookkeeping per row per pass
+    prefill_tok_s: float            # prompt tokens per second of prefill, shared prefixes included
+    wall_s: float
+    groups: dict[str, list[int]]    # category or task -> indexes of its requests
+
+
+def sample_rows(config: JobConfig, plan: Plan, count: int) -> list[InputRow]:
+    """`count` rows spread evenly over the input: evenly spaced shards, evenly spaced rows within each."""
+    shards = plan.shards
+    picked = [shards[int(i * len(shards) / min(count, len(shards)))] for i in range(min(count, len(shards)))]
+    per_shard = math.ceil(count / len(picked))
+    rows: list[InputRow] = []
+    for spec in picked:
+        found = [r for r in read_shard(spec, config.input, config.output.keep_columns) if r.error is None]
+        step = max(len(found) / per_shard, 1.0)
+        rows += [found[int(i * step)] for i in range(min(per_shard, len(found)))]
+    return rows[:count]
+
+
+def _group_of(row: InputRow) -> str | None:
+    for column in ("category", "task"):
+        if row.keep.get(column) is not None:
+            return str(row.keep[column])
+    return None
+
+
+def run_pilot(runner: ShardRunner, rows: list[InputRow]) -> Pilot:
+    requests, slots = runner.requests(rows)
+    started = time.perf_counter()
+    result = runner.generator.generate(requests)
+    stats = result.stats
+    groups: dict[str, list[int]] = defaultdict(list)
+    index = 0
+    for row, _, _, error in slots:
+        if error is None:
+            if _group_of(row) is not None:
+                groups[_group_of(row)].append(index)
+            index += 1
+    return Pilot([len(c.token_ids) for c in result.completions], stats.prompt_tokens / max(len(requests), 1),
+                 stats.generated_tokens / max(stats.row_passes, 1),
+                 stats.accept_by_position, (stats.draft_s + stats.other_s) / max(stats.row_passes, 1),
+                 stats.prompt_tokens / max(stats.prefill_s, 1e-9), time.perf_counter() - started, dict(groups))
+
+
+def probe_pass_times(runner: ShardRunner, prompts: list[list[int]], batches: list[int],
+                     widths: list[int]) -> dict[tuple[int, int], float]:
+    """Seconds per verify pass by (rows, width), measured on this machine over the sample's prompts."""
+    target, out = runner.models.target, {}
+    for batch in batches:
+        chosen = (prompts * batch)[:batch]
+        lm = CachedLM(target, batch, max(len(p) for p in chosen) + max(widths) + 2)
+        plan = lm.plan(chosen, 0)
+        lm.prefill([chosen[i] for i in plan.order], 0, plan)
+        for width in widths:
+            tokens = torch.ones(batch, width, dtype=torch.long)
+            times = []
+            for _ in range(PROBE_REPEATS + 1):
+                started = time.perf_counter()
+                target.logits(lm.forward(tokens)[:, -1])
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - started)
+            out[(batch, width)] = statistics.median(times[1:])   # the first is a warm-up
+    return out
+
+
+def tokens_per_row_pass(accept: list[float], k: int) -> float:
+    """Expected tokens per row per pass at fixed k from conditional per-position acceptance (Leviathan et al.:
+    1 + sum over j <= k of the product of the first j rates); positions never tried take the last rate seen."""
+    rates = [a for a in accept if not math.isnan(a)]
+    total, reach = 1.0, 1.0
+    for j in range(k):
+        reach *= (accept[j] if j < len(accept) and not math.isnan(accept[j]) else (rates[-1] if rates else 0.0))
+        total += reach
+    return total
+
+
+class PassTimes:
+    """Seconds per pass by (rows, width): probe cells interpolated in rows and width, or a roofline."""
+
+    def __init__(self, cells: dict[tuple[int, int], float] | None = None, roofline=None):
+        self.cells, self.roofline = cells or {}, roofline
+
+    def __call__(self, rows: int, width: int) -> float:
+        if self.roofline is not None:
+            return self.roofline(rows, width)
+        batches = sorted({b for b, _ in self.cells})
+        widths = sorted({w for _, w in self.cells})
+        w = min(max(width, widths[0]), widths[-1])
+
+        def at(batch: int) -> float:
+            lo = max([x for x in widths if x <= w])
+            hi = min([x for x in widths if x >= w])
+            t_lo, t_hi = self.cells[(batch, lo)], self.cells[(batch, hi)]
+            return t_lo if hi == lo else t_lo + (t_hi - t_lo) * (w - lo) / (hi - lo)
+        if rows <= batches[0]:
+            return at(batches[0])
+        if rows >= batches[-1]:
+            return at(batches[-1]) * rows / batches[-1] if len(batches) == 1 else \
+                at(batches[-1]) + (at(batches[-1]) - at(batches[-2])) * (rows - batches[-1]) / (batches[-1] - batches[-2])
+        lo = max(b for b in batches if b <= rows)
+        hi = min(b for b in batches if b >= rows)
+        return at(lo) if hi == lo else at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo)
+
+
+def replay(lengths: list[int], shard_rows: list[int], batch: int, per_row_pass: float, width: int,
+           pass_s: PassTimes, overhead_per_row_pass_s: float) -> tuple[float, int]:
+    """(seconds, passes) a worker spends decoding: each shard fills `batch` slots with rows of the given
+    lengths (cycled) and admits a waiting row as one finishes; a pass costs its live rows at `width`."""
+    seconds, passes, next_length = 0.0, 0, 0
+    for rows in shard_rows:
+        left = []
+        for _ in range(rows):
+            left.append(max(math.ceil(lengths[next_length % len(lengths)] / per_row_pass), 1))
+            next_length += 1
+        live, waiting = left[:batch], left[batch:]
+        while live:
+            n = len(live)
+            seconds += pass_s(n, width) + overhead_per_row_pass_s * n
+            passes += 1
+            live = [x - 1 for x in live if x > 1]
+            while waiting and len(live) < batch:
+                live.append(waiting.pop(0))
+    return seconds, passes
+
+
+def predict(config: JobConfig, plan: Plan, pilot: Pilot, pass_s: PassTimes, workers: int, total_rows: int,
+            per_row_pass: float, width: int, batch: int | None = None) -> dict:
+    """The whole job's generated tokens and generating time from the pilot, drafting `width` - 1 tokens a row
+    and keeping `per_row_pass` a pass, at the config's batch size unless told otherwise."""
+    samples = config.generation.samples_per_prompt
+    batch = batch or config.resources.batch_size
+    shard_input_rows = _rows_by_shard(plan, total_rows)
+    out_rows = [rows * samples for rows in shard_input_rows]
+    generated = statistics.fmean(pilot.tokens) * sum(out_rows) if pilot.tokens else 0.0
+    decode_s, passes = replay(pilot.tokens or [1], out_rows, batch, per_row_pass, width, pass_s,
+                              pilot.overhead_per_row_pass_s)
+    prefill_s = pilot.prompt_tokens * sum(out_rows) / pilot.prefill_tok_s
+    total_s = decode_s + prefill_s
+    per_worker = total_s / max(min(workers, len(plan.shards)), 1)
+    return {"output_rows": sum(out_rows), "generated_tokens": round(generated), "target_passes": passes,
+            "generating_s": per_worker, "generating_s_one_worker": total_s, "prefill_s": prefill_s,
+            "tokens_per_s": generated / total_s if total_s else 0.0, "workers": workers}
+
+
+def _rows_by_shard(plan: Plan, total_rows: int) -> list[int]:
+    parquet = [s.stop - s.start for s in plan.shards if s.kind == "parquet"]
+    if len(parquet) == len(plan.shards):
+        return parquet
+    per = total_rows / max(len(plan.shards), 1)   # JSONL: byte ranges, rows estimated evenly
+    return [round(per)] * len(plan.shards)
+
+
+def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None = None,
+              workers: int | None = None) -> dict:
+    """Everything `specbatch plan` prints: the sample, the prediction at the config's settings, the options
+    (drafter and k, batch size) with their predicted speed, and the recommended settings."""
+    started = time.perf_counter()
+    plan = plan_job(config)
+    runner = ShardRunner(config)
+    spec = config.speculation
+    max_k = spec.max_k if spec.k == "adaptive" else int(spec.k)
+    if spec.k == "adaptive":
+        runner.generator = make_generator(config.model_copy(update={"speculation": spec.model_copy(update={"k": max_k})}),
+                                          runner.models)
+    total_rows = plan.total_rows if plan.total_rows is not None else _estimate_rows(config, plan)
+    count = sample or max(8, math.ceil(0.02 * total_rows))
+    rows = sample_rows(config, plan, count)
+    if not rows:
+        raise ValueError(f"{config.input.path}: no usable rows to sample")
+    pilot = run_pilot(runner, rows)
+    workers = workers or (config.resources.workers if isinstance(config.resources.workers, int) else 1)
+    batches = sorted({b for b in BATCH_SIZES if b <= max(config.resources.batch_size, 1)} | {config.resources.batch_size})
+    widths = sorted({1, 2, 3, 5, max_k + 1})
+    if hardware:
+        profile = HARDWARE[hardware]
+        shape = Shape.of(runner.models.target.config)
+        context = pilot.prompt_tokens + statistics.fmean(pilot.tokens) / 2
+        pass_s = PassTimes(roofline=lambda n, w: shape.pass_s(profile, n, w, context))
+        batches = sorted(set(BATCH_SIZES + (64, 128, 256)) | {config.resources.batch_size})
+    else:
+        prompts = [r.prompt_ids for r in runner.requests(rows)[0]]
+        pass_s = PassTimes(probe_pass_times(runner, prompts, batches, widths))
+    options = []
+    for k in range(max_k + 1):
+        per = tokens_per_row_pass(pilot.accept, k)
+        result = predict(config, plan, pilot, pass_s, workers, total_rows, per_row_pass=per, width=k + 1)
+        options.append({"drafter": "none" if k == 0 else _drafter_name(config), "k": k,
+                        "tokens_per_row_pass": per, "generating_s": result["generating_s"]})
+    plain = options[0]["generating_s"]
+    for option in options:
+        option["speedup"] = plain / option["generating_s"] if option["generating_s"] else 0.0
+    best = min(options, key=lambda o: o["generating_s"])
+    chosen = best if spec.k == "adaptive" else options[max_k]
+    predicted = predict(config, plan, pilot, pass_s, workers, total_rows, per_row_pass=chosen["tokens_per_row_pass"],
+                        width=chosen["k"] + 1)
+    by_batch = []
+    for b in batches:
+        result = predict(config, plan, pilot, pass_s, workers, total_rows, batch=b,
+                         per_row_pass=best["tokens_per_row_pass"], width=best["k"] + 1)
+        by_batch.append({"batch_size": b, "generating_s": result["generating_s"], "tokens_per_s": result["tokens_per_s"]})
+    fastest = min(by_batch, key=lambda r: r["generating_s"])
+    recommended = {"model.drafter": best["drafter"], "speculation.k": best["k"],
+                   "resources.batch_size": fastest["batch_size"],
+                   "predicted_speedup_vs_k0": best["speedup"]}
+    price = config.resources.price_per_worker_hour
+    if price is not None:
+        predicted["cost"] = price * predicted["generating_s"] * predicted["workers"] / 3600
+    return {"config": config.name, "settings": {"k": spec.k, "batch_size": config.resources.batch_size,
+                                                "predicted_as_k": chosen["k"]}, "simulated_on": hardware, "measured_on": str(runner.device) if not hardware else None,
+            "sample": {"rows": len(rows), "requests": len(pilot.tokens), "mean_generated_tokens":
+                       statistics.fmean(pilot.tokens), "tokens_per_row_pass": pilot.tokens_per_row_pass,
+                       "accept_by_position": [None if math.isnan(a) else a for a in pilot.accept],
+                       "pilot_s": pilot.wall_s},
+            "predicted": predicted, "options": options, "by_batch_size": by_batch, "recommended": recommended,
+            "categories": _categories(pilot), "plan_s": time.perf_counter() - started}
+
+
+def _drafter_name(config: JobConfig) -> str:
+    return "+".join(config.model.drafters)
+
+
+def _estimate_rows(config: JobConfig, plan: Plan) -> int:
+    first = read_shard(plan.shards[0], config.input)
+    return len(first) * len(plan.shards)
+
+
+def _categories(pilot: Pilot) -> list[dict]:
+    return [{"category": name, "requests": len(idx), "mean_generated_tokens": statistics.fmean(pilot.tokens[i] for i in idx)}
+            for name, idx in sorted(pilot.groups.items())]
+
+
+def describe(result: dict) -> str:
+    """The plan as a user reads it in a terminal."""
+    p, s, r = result["predicted"], result["sample"], result["recommended"]
+    where = (f"SIMULATED for {result['simulated_on']} (roofline model of the target's shape, acceptance measured "
+             f"on the sample; not a measurement)" if result["simulated_on"] else f"measured on {result['measured_on']}")
+    lines = [f"plan for {result['config']}: {where}",
+             f"sample: {s['rows']} rows ({s['requests']} requests), {s['mean_generated_tokens']:.1f} tokens each, "
+             f"{s['tokens_per_row_pass']:.2f} tokens per row pass; pilot {s['pilot_s']:.1f} s",
+             f"predicted: {p['output_rows']} output rows, {p['generated_tokens']} generated tokens, "
+             f"{p['generating_s']:.1f} s generating per worker x {p['workers']} worker(s) "
+             f"({p['tokens_per_s']:.0f} tokens/s per worker)" + (f", cost {p['cost']:.2f}" if "cost" in p else ""),
+             "", "| drafter | k | tokens/row pass | generating s | speed-up vs k=0 |", "|---|---|---|---|---|"]
+    lines += [f"| {o['drafter']} | {o['k']} | {o['tokens_per_row_pass']:.2f} | {o['generating_s']:.1f} | {o['speedup']:.2f} |"
+              for o in result["options"]]
+    lines += ["", "| batch size | generating s | tokens/s |", "|---|---|---|"]
+    lines += [f"| {b['batch_size']} | {b['generating_s']:.1f} | {b['tokens_per_s']:.0f} |" for b in result["by_batch_size"]]
+    if result["categories"]:
+        lines += ["", "| category | sampled requests | mean tokens |", "|---|---|---|"]
+        lines += [f"| {c['category']} | {c['requests']} | {c['mean_generated_tokens']:.1f} |" for c in result["categories"]]
+    lines += ["", "recommended: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+              f"(plan took {result['plan_s']:.1f} s)"]
+    return "\n".join(lines)
+
+
+def to_json(result: dict) -> str:
+    return json.dumps(result, indent=2)
