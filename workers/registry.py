@@ -6,6 +6,7 @@ how to load them next to the target: adding a drafter is one `register_drafter` 
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from workers.engine.controller import AdaptiveK, Controller, FixedK
 from workers.engine.costs import CostModel
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import DEFAULT_PRIOR, Drafter, NoDrafter
+from workers.engine.kernel_choice import choose_single_row_kernel
 from workers.engine.generator import GenerationSettings, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
 from workers.engine.mtp_drafter import MTPDrafter
@@ -26,6 +28,9 @@ from workers.engine.sampling import SamplingParams
 from workers.engine.suffix_drafter import SuffixDrafter
 from workers.models import load_model, load_tokenizer
 from workers.mtp_head import MTPHead, load_head
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,6 +88,9 @@ def load_models(config: JobConfig, device: torch.device) -> Models:
     m, options = config.model, config.input.storage_options
     target = DecodingModel.prepare(load_model(m.target, m.dtype, device, options, m.trust_remote_code), compile=m.compile,
                                    step=m.step)
+    if device.type == "cpu":
+        target, timings = choose_single_row_kernel(target)
+        log.info("width-1 pass: %s", timings)
     models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code))
     loaders = [DRAFTERS[name].load_draft for name in m.drafters if DRAFTERS[name].load_draft is not None]
     if loaders:  # model.draft names one set of weights: at most one drafter kind reads it

@@ -1,0 +1,30 @@
+"""The width-1 kernel chosen by measurement: either choice computes the same pass, and the loser's weights go."""
+from __future__ import annotations
+
+import torch
+
+from tests.tiny_models import tiny_llama
+from workers.engine.cached_lm import CachedLM
+from workers.engine.decoding_model import DecodingModel
+from workers.engine.kernel_choice import choose_single_row_kernel, packed_only
+
+
+def _logits(model: DecodingModel, prompt: list[int]) -> torch.Tensor:
+    lm = CachedLM(model, 1, len(prompt) + 2)
+    lm.prefill([prompt], 0)
+    return lm.logits(torch.tensor([[prompt[-1]]]))[0, -1]
+
+
+def test_packed_width_1_pass_matches_the_gemv_pass_and_drops_plain_weights(one_torch_thread):
+    model = DecodingModel.prepare(tiny_llama(300, dtype=torch.float32))
+    if model.head.packed is None:   # no oneDNN in this torch build: nothing to choose
+        return
+    prompt = [5, 17, 42, 8, 99, 3]
+    want = _logits(model, prompt)
+    chosen, timings = choose_single_row_kernel(model, repeats=1)
+    assert set(timings) == {"gemv_ms", "packed_ms"} and min(timings.values()) > 0
+    torch.testing.assert_close(_logits(chosen, prompt), want, rtol=1e-4, atol=1e-4)
+    packed = packed_only(DecodingModel.prepare(tiny_llama(300, dtype=torch.float32)))
+    assert packed.head.plain is None and all(layer.qkv.plain is None for layer in packed.fused.layers)
+    torch.testing.assert_close(_logits(packed, prompt), want, rtol=1e-4, atol=1e-4)
+    assert model.head.plain is not None, "choosing leaves the model it was given untouched"
