@@ -87,7 +87,11 @@ class PeerProcess:
         # Its own session: an engine's helper processes (vLLM's engine core and worker) go with it when it is killed.
         self.proc = subprocess.Popen([str(python), str(runner)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, cwd=str(runner.parent), env=env, start_new_session=True)
-        self.info = self.call(load)
+        try:
+            self.info = self.call(load)
+        except PeerError:
+            self.close()
+            raise
 
     def call(self, request: dict) -> dict:
         try:
@@ -136,15 +140,14 @@ class PeerPool:
     """The installed peers of a run, their runner processes, and what the report says about them (`notes`)."""
 
     def __init__(self, cfg: BenchConfig, device_type: str, model_folder: Callable[[], Path], threads: int,
-                 n_ctx: int, eos: list[int], log: Callable[[str], None], peers: dict[str, Peer] | None = None):
+                 n_ctx: int, eos: list[int], log: Callable[[str], None]):
         self.cfg, self.threads, self.n_ctx, self.eos, self.log = cfg, threads, n_ctx, eos, log
         self.available: list[Peer] = []
         self.notes: list[str] = []
         self.procs: dict[str, tuple[int | None, PeerProcess]] = {}
         self.dead: set[str] = set()
-        table = peers or PEERS
         for key in cfg.peers:
-            peer = table[key]
+            peer = PEERS[key]
             if device_type != "cpu":
                 self._note(f"{peer.label}: skipped, the peers run on the CPU and this run's device is {device_type}")
             elif peer_python(peer) is None:
