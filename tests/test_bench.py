@@ -64,6 +64,7 @@ def tiny_bench_config(model_dir: str, suite: Path, **over) -> dict:
         "prompt_lookup_num_tokens": 4,
         "pipeline": {"enabled": False},
         "passes": {"batch_sizes": [1, 2], "widths": [1, 3], "repeats": 2},
+        "peers": [],   # installed peers (make bench-peers) are no part of these tests: tests/test_peers.py fakes them
     }
     return {**config, **over}
 

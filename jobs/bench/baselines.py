@@ -10,18 +10,11 @@ from typing_extensions import Self
 
 from jobs.bench.config import BenchConfig
 from jobs.bench.models import BenchModels
+from jobs.bench.peer_protocol import cut_at_eos   # transformers pads finished rows after their EOS
 from jobs.bench.roofline import kv_token_reads
 from jobs.bench.systems import Run, System
 from jobs.bench.timing import timed
 from jobs.bench.workloads import Prompt
-
-
-def cut_at_eos(tokens: list[int], eos: list[int]) -> list[int]:
-    """A completion up to and including its first EOS (transformers pads finished rows after it)."""
-    for i, token in enumerate(tokens):
-        if token in eos:
-            return tokens[: i + 1]
-    return tokens
 
 
 class PassCounter:

@@ -7,7 +7,8 @@ instead of one system's repeats, and the spread over the rounds shows how much l
 
 Speed only counts when the output is right: every row with a reference must equal transformers'
 greedy output at batch 1, and every row of this generator must equal its own k = 0 output in the same
-cell (speculation is lossless), which covers the rows without a reference.
+cell (speculation is lossless), which covers the rows without a reference. Peers (peers.py) decode with
+other kernels: their rows are counted against transformers' output in the same cell, not required to match.
 """
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ from jobs.bench.config import BenchConfig
 from jobs.bench.fmt import percent
 from jobs.bench.memory import PeakMemory
 from jobs.bench.models import BenchModels
+from jobs.bench.peers import PeerError, PeerPool, add_peer_ratios
 from jobs.bench.roofline import Floor
-from jobs.bench.spread import rate_summary, ratio_range
-from jobs.bench.systems import K0, TRANSFORMERS, Run, System, bench_systems, run_specbatch
+from jobs.bench.spread import rate_summary, ratio_range, rates
+from jobs.bench.systems import K0, PEER, SPECBATCH, TRANSFORMERS, Run, System, bench_systems, run_specbatch
 from jobs.bench.workloads import Prompt, cell_rows
 
 References = dict[tuple[int, ...], list[int]]
 
 
 def run_system(system: System, models: BenchModels, prompts: list[Prompt], batch_size: int, max_new_tokens: int,
-               cfg: BenchConfig) -> Run:
+               cfg: BenchConfig, peers: PeerPool | None = None) -> Run:
+    if system.family == PEER:
+        return peers.run(system, prompts, batch_size, max_new_tokens)
     runner = run_transformers if system.family == TRANSFORMERS else run_specbatch
     return runner(system, models, prompts, batch_size, max_new_tokens, cfg)
 
@@ -68,19 +72,33 @@ def summarize_cell(system: System, runs: list[Run], peaks: list[tuple[float, flo
 
 
 def exact(row: dict) -> bool:
-    """Every checked row equals the reference, and (for this generator) every row equals k = 0's."""
+    """Every checked row equals the reference, and every row equals k = 0's (ours) or transformers' (a peer's)."""
     ours_ok = row["family"] == TRANSFORMERS or row["rows_as_k0"] in (None, row["rows"])
-    return row["rows_matching"] == row["rows_checked"] and ours_ok
+    peer_ok = row.get("rows_as_transformers") in (None, row["rows"])
+    return row["rows_matching"] == row["rows_checked"] and ours_ok and peer_ok
+
+
+def _warm_up(systems: list[System], models: BenchModels, prompts: list[Prompt], batch_size: int, cfg: BenchConfig,
+             peers: PeerPool | None) -> list[System]:
+    """Each system once, untimed (a peer starts its engine here); the systems left after peers that failed."""
+    kept = []
+    for system in systems:
+        try:
+            run_system(system, models, prompts, batch_size, cfg.warmup_tokens, cfg, peers)
+        except PeerError as exc:
+            peers.fail(system, exc)
+            continue
+        kept.append(system)
+    return [s for s in kept if s.family != PEER or s.peer not in peers.dead]
 
 
 def run_cells(cfg: BenchConfig, models: BenchModels, workloads: dict[str, list[Prompt]], references: References,
-              floor: Floor, log: Callable[[str], None]) -> list[dict]:
+              floor: Floor, log: Callable[[str], None], peers: PeerPool | None = None) -> list[dict]:
     memory, results = PeakMemory(models.device), []
     first = next(iter(workloads.values()))
     for batch_size in cfg.batch_sizes:
-        systems = bench_systems(cfg, batch_size)
-        for system in systems:
-            run_system(system, models, first[:batch_size], batch_size, cfg.warmup_tokens, cfg)
+        systems = bench_systems(cfg, batch_size, peers.systems(batch_size) if peers else ())
+        systems = _warm_up(systems, models, first[:batch_size], batch_size, cfg, peers)
         for workload, all_prompts in workloads.items():
             prompts = cell_rows(all_prompts, cfg, batch_size)
             if prompts is None:
@@ -88,23 +106,32 @@ def run_cells(cfg: BenchConfig, models: BenchModels, workloads: dict[str, list[P
             runs: dict[str, list[Run]] = {s.name: [] for s in systems}
             peaks: dict[str, list[tuple[float, float]]] = {s.name: [] for s in systems}
             for _, system in schedule(systems, cfg.repeats):
+                if system.family == PEER and system.peer in peers.dead:
+                    continue
                 memory.reset()
-                runs[system.name].append(run_system(system, models, prompts, batch_size, cfg.max_new_tokens, cfg))
+                try:
+                    runs[system.name].append(run_system(system, models, prompts, batch_size, cfg.max_new_tokens, cfg,
+                                                        peers))
+                except PeerError as exc:
+                    peers.fail(system, exc)
+                    continue
                 peaks[system.name].append((memory.peak_mb(), memory.delta_mb()))
+            systems = [s for s in systems if s.family != PEER or s.peer not in peers.dead]
             k0 = runs[K0][0].outputs if K0 in runs else None
+            as_transformers = runs[TRANSFORMERS][0].outputs
             for system in systems:
                 row = summarize_cell(system, runs[system.name], peaks[system.name], prompts, references,
-                                     k0 if system.family != TRANSFORMERS else None, floor)
+                                     k0 if system.family == SPECBATCH else None, floor)
+                if system.family == PEER:   # its memory is its own process's, not measured here
+                    row.update(rows_as_transformers=min(_rows_equal(r.outputs, as_transformers) for r in runs[system.name]),
+                               peak_mem_mb=None, peak_delta_mb=None)
                 results.append({"workload": workload, "batch_size": batch_size, "mem_method": memory.method, **row})
                 log(f"  b={batch_size:<3} {workload:<18} {system.name:<30} {row['tokens_per_s']:7.1f} tok/s "
                     f"(spread {percent(row['spread'])})  {percent(row['floor_fraction'])} of floor  "
                     f"exact={exact(row)}")
     add_ratios(results)
+    add_peer_ratios(results)
     return results
-
-
-def rates(row: dict) -> tuple[float, float, float]:
-    return row["tokens_per_s"], row["tokens_per_s_min"], row["tokens_per_s_max"]
 
 
 def add_ratios(results: list[dict]) -> None:

@@ -73,6 +73,7 @@ class BenchConfig(_Strict):
     prompt_lookup_num_tokens: int = Field(10, ge=1)
     assistant_schedules: list[Literal["heuristic", "heuristic_transient", "constant"]] = Field(
         default_factory=lambda: ["heuristic", "constant"])
+    peers: list[Literal["llama.cpp", "vllm"]] = Field(default_factory=lambda: ["llama.cpp", "vllm"])  # where installed
     pipeline: PipelineBenchConfig = Field(default_factory=PipelineBenchConfig)
     passes: PassesBenchConfig = Field(default_factory=PassesBenchConfig)
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobs.bench.cells import rates
 from jobs.bench.config import BenchConfig
-from jobs.bench.spread import ratio_range, verdict
+from jobs.bench.spread import rates, ratio_range, verdict
 from jobs.bench.systems import K0, TRANSFORMERS, adaptive_name, fixed_name, lookup_name
 from jobs.bench.workloads import MIX
 

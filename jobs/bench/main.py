@@ -15,14 +15,23 @@ from jobs.bench.cells import run_cells
 from jobs.bench.config import BenchConfig, BenchError, load_bench_config, resolve_device
 from jobs.bench.models import load_bench_models
 from jobs.bench.passes import probe_passes
+from jobs.bench.peers import PeerPool
 from jobs.bench.pipeline import run_pipeline
 from jobs.bench.report import load_average, machine_info, write_outputs
 from jobs.bench.roofline import Floor
-from jobs.bench.workloads import build_workloads, skipped_cells
+from jobs.bench.workloads import Prompt, build_workloads, skipped_cells
+from workers.models import local_model_dir
 
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def peer_context(cfg: BenchConfig, workloads: dict[str, list[Prompt]]) -> int:
+    """The context a peer's engine needs: the longest prompt, its completion and a draft, rounded up to 256."""
+    longest = max((len(p.ids) for prompts in workloads.values() for p in prompts), default=0)
+    need = longest + max(cfg.max_new_tokens, cfg.warmup_tokens) + cfg.prompt_lookup_num_tokens + 16
+    return -(-need // 256) * 256
 
 
 def benchmark(cfg: BenchConfig, out: Path, command: str = "specbatch bench", quick: bool = False,
@@ -39,10 +48,16 @@ def benchmark(cfg: BenchConfig, out: Path, command: str = "specbatch bench", qui
     meta = {**machine_info(cfg, device, command, quick, floor), "skipped": skipped_cells(cfg, workloads)}
     for cell in meta["skipped"]:
         log(f"skipped {cell}: the {cfg.split} split has too few prompts to fill it")
+    peers = PeerPool(cfg, device.type, lambda: local_model_dir(cfg.model.target), torch.get_num_threads(),
+                     peer_context(cfg, workloads), models.eos_ids, log)
+    meta["peers"] = peers.notes
     with torch.inference_mode():
         checked = [p for prompts in workloads.values() for p in prompts[: cfg.reference_rows]]
         references = greedy_references(models, checked, cfg.max_new_tokens, log)
-        results = run_cells(cfg, models, workloads, references, floor, log)
+        try:
+            results = run_cells(cfg, models, workloads, references, floor, log, peers)
+        finally:
+            peers.close()
     if cfg.passes.enabled:
         prompts = [list(p.ids) for p in workloads.get("mix") or next(iter(workloads.values()))]
         meta["passes"] = probe_passes(cfg.passes, models.by_drafter["none"].target, prompts, floor, models.pad_id, log)

