@@ -48,17 +48,23 @@ class Pilot:
     groups: dict[str, list[int]]    # category or task -> indexes of its requests
 
 
-def sample_rows(config: JobConfig, plan: Plan, count: int) -> list[InputRow]:
-    """`count` rows spread evenly over the input: evenly spaced shards, evenly spaced rows within each."""
+def sample_rows(config: JobConfig, plan: Plan, count: int) -> tuple[list[InputRow], list[int]]:
+    """`count` rows spread evenly over the input, and the input rows of every shard (counted where read,
+    estimated from the read ones elsewhere). A job of at most `count` shards is read whole and sampled
+    evenly; a larger one gives one row from each of `count` evenly spaced shards."""
     shards = plan.shards
-    picked = [shards[int(i * len(shards) / min(count, len(shards)))] for i in range(min(count, len(shards)))]
-    per_shard = math.ceil(count / len(picked))
-    rows: list[InputRow] = []
-    for spec in picked:
-        found = [r for r in read_shard(spec, config.input, config.output.keep_columns) if r.error is None]
-        step = max(len(found) / per_shard, 1.0)
-        rows += [found[int(i * step)] for i in range(min(per_shard, len(found)))]
-    return rows[:count]
+    whole = len(shards) <= count
+    picked = range(len(shards)) if whole else [int(i * len(shards) / count) for i in range(count)]
+    read = {i: read_shard(shards[i], config.input, config.output.keep_columns) for i in picked}
+    usable = {i: [r for r in rows if r.error is None] for i, rows in read.items()}
+    if whole:
+        pool = [r for i in picked for r in usable[i]]
+        rows = [pool[int(j * len(pool) / count)] for j in range(min(count, len(pool)))]
+    else:
+        rows = [usable[i][len(usable[i]) // 2] for i in picked if usable[i]]
+    mean = sum(len(r) for r in read.values()) / len(read)
+    return rows, [s.stop - s.start if s.kind == "parquet" else len(read[i]) if i in read else round(mean)
+                  for i, s in enumerate(shards)]
 
 
 def _group_of(row: InputRow) -> str | None:
@@ -168,13 +174,12 @@ def replay(lengths: list[int], shard_rows: list[int], batch: int, per_row_pass: 
     return seconds, passes
 
 
-def predict(config: JobConfig, plan: Plan, pilot: Pilot, pass_s: PassTimes, workers: int, total_rows: int,
+def predict(config: JobConfig, plan: Plan, pilot: Pilot, pass_s: PassTimes, workers: int, shard_input_rows: list[int],
             per_row_pass: float, width: int, batch: int | None = None) -> dict:
     """The whole job's generated tokens and generating time from the pilot, drafting `width` - 1 tokens a row
     and keeping `per_row_pass` a pass, at the config's batch size unless told otherwise."""
     samples = config.generation.samples_per_prompt
     batch = batch or config.resources.batch_size
-    shard_input_rows = _rows_by_shard(plan, total_rows)
     out_rows = [rows * samples for rows in shard_input_rows]
     generated = statistics.fmean(pilot.tokens) * sum(out_rows) if pilot.tokens else 0.0
     decode_s, passes = replay(pilot.tokens or [1], out_rows, batch, per_row_pass, width, pass_s,
@@ -185,14 +190,6 @@ def predict(config: JobConfig, plan: Plan, pilot: Pilot, pass_s: PassTimes, work
     return {"output_rows": sum(out_rows), "generated_tokens": round(generated), "target_passes": passes,
             "generating_s": per_worker, "generating_s_one_worker": total_s, "prefill_s": prefill_s,
             "tokens_per_s": generated / total_s if total_s else 0.0, "workers": workers}
-
-
-def _rows_by_shard(plan: Plan, total_rows: int) -> list[int]:
-    parquet = [s.stop - s.start for s in plan.shards if s.kind == "parquet"]
-    if len(parquet) == len(plan.shards):
-        return parquet
-    per = total_rows / max(len(plan.shards), 1)   # JSONL: byte ranges, rows estimated evenly
-    return [round(per)] * len(plan.shards)
 
 
 def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None = None,
@@ -207,9 +204,9 @@ def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None
     if spec.k == "adaptive":
         runner.generator = make_generator(config.model_copy(update={"speculation": spec.model_copy(update={"k": max_k})}),
                                           runner.models)
-    total_rows = plan.total_rows if plan.total_rows is not None else _estimate_rows(config, plan)
-    count = sample or max(8, math.ceil(0.02 * total_rows))
-    rows = sample_rows(config, plan, count)
+    known = plan.total_rows if plan.total_rows is not None else config.sharding.rows_per_shard * len(plan.shards)
+    count = sample or max(8, math.ceil(0.02 * known))
+    rows, shard_rows = sample_rows(config, plan, count)
     if not rows:
         raise ValueError(f"{config.input.path}: no usable rows to sample")
     pilot = run_pilot(runner, rows)
@@ -228,7 +225,7 @@ def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None
     options = []
     for k in range(max_k + 1):
         per = tokens_per_row_pass(pilot.accept, k)
-        result = predict(config, plan, pilot, pass_s, workers, total_rows, per_row_pass=per, width=k + 1)
+        result = predict(config, plan, pilot, pass_s, workers, shard_rows, per_row_pass=per, width=k + 1)
         options.append({"drafter": "none" if k == 0 else _drafter_name(config), "k": k,
                         "tokens_per_row_pass": per, "generating_s": result["generating_s"]})
     plain = options[0]["generating_s"]
@@ -236,11 +233,11 @@ def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None
         option["speedup"] = plain / option["generating_s"] if option["generating_s"] else 0.0
     best = min(options, key=lambda o: o["generating_s"])
     chosen = best if spec.k == "adaptive" else options[max_k]
-    predicted = predict(config, plan, pilot, pass_s, workers, total_rows, per_row_pass=chosen["tokens_per_row_pass"],
+    predicted = predict(config, plan, pilot, pass_s, workers, shard_rows, per_row_pass=chosen["tokens_per_row_pass"],
                         width=chosen["k"] + 1)
     by_batch = []
     for b in batches:
-        result = predict(config, plan, pilot, pass_s, workers, total_rows, batch=b,
+        result = predict(config, plan, pilot, pass_s, workers, shard_rows, batch=b,
                          per_row_pass=best["tokens_per_row_pass"], width=best["k"] + 1)
         by_batch.append({"batch_size": b, "generating_s": result["generating_s"], "tokens_per_s": result["tokens_per_s"]})
     fastest = min(by_batch, key=lambda r: r["generating_s"])
@@ -262,11 +259,6 @@ def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None
 
 def _drafter_name(config: JobConfig) -> str:
     return "+".join(config.model.drafters)
-
-
-def _estimate_rows(config: JobConfig, plan: Plan) -> int:
-    first = read_shard(plan.shards[0], config.input)
-    return len(first) * len(plan.shards)
 
 
 def _categories(pilot: Pilot) -> list[dict]:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.test_generator import MAX_K, MAX_NEW, hf_greedy, make_drafter, requests_for
-from tests.tiny_models import tiny_draft, tiny_llama, tiny_tokenizer
+from tests.test_generator import target, tok  # noqa: F401  (module fixtures shared with the generator's tests)
+from tests.tiny_models import tiny_draft
 from workers.engine.cached_lm import CachedLM
 from workers.engine.captured_step import WIDTHS, buckets
 from workers.engine.controller import FixedK
@@ -18,16 +19,6 @@ from workers.engine.decoding_model import DecodingModel
 from workers.engine.generator import GenerationSettings, SpeculativeGenerator
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def target(tok):
-    return tiny_llama(len(tok), seed=0)
 
 
 @pytest.fixture(scope="module")
