@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from jobs.bench.timing import timed
 from pipeline.planner import Plan, plan_job
 from workers.config import JobConfig
 from workers.engine.cached_lm import CachedLM
@@ -103,13 +104,8 @@ def probe_pass_times(runner: ShardRunner, prompts: list[list[int]], batches: lis
         lm.prefill([chosen[i] for i in plan.order], 0, plan)
         for width in widths:
             tokens = torch.ones(batch, width, dtype=torch.long)
-            times = []
-            for _ in range(PROBE_REPEATS + 1):
-                started = time.perf_counter()
-                target.logits(lm.forward(tokens)[:, -1])
-                if target.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - started)
+            times = [timed(target.device, lambda: target.logits(lm.forward(tokens)[:, -1]))[1]
+                     for _ in range(PROBE_REPEATS + 1)]
             out[(batch, width)] = statistics.median(times[1:])   # the first is a warm-up
     return out
 
