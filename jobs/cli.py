@@ -154,12 +154,15 @@ def _plan(args: argparse.Namespace) -> int:
     except expected as exc:
         return _error(exc)
     from jobs.plan import describe, make_plan, to_json
+    from pipeline.report import PLAN_FILE
+    from workers.storage import Store, join, safe_url
 
     try:
         result = make_plan(config, args.sample, args.hardware, args.workers)
     except (*expected, ValueError) as exc:
         return _error(exc)
-    print(to_json(result) if args.json else describe(result))
+    Store(config.output.path, config.output.storage_options).write_json(result, PLAN_FILE)  # the report shows it
+    print(to_json(result) if args.json else describe(result) + f"\nsaved: {safe_url(join(config.output.path, PLAN_FILE))}")
     return 0
 
 

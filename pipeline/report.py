@@ -45,6 +45,9 @@ td.text { white-space: pre-wrap; max-width: 420px; vertical-align: top; }
 """
 
 
+PLAN_FILE = "plan.json"   # written by `specbatch plan` into the output it plans for
+
+
 def write_report(store: Store, stats: list[ShardStats] | None = None) -> str:
     """Build the report (from `stats`, or from the committed shards' parts) and write it; return its URL."""
     store.write(build_report(store, stats).encode(), "report.html")
@@ -63,7 +66,7 @@ def build_report(store: Store, stats: list[ShardStats] | None = None) -> str:
     found = spread(ms_per_pass(stats))
     warning = f'<p class="warn">{escape(verdict(found, load))}.</p>' if found and found.noisy else ""
     body = [_header(manifest, stats, status, store.root, warning), _throughput(stats, load, warning),
-            _speculation(manifest, stats),
+            _plan(store, stats), _speculation(manifest, stats),
             _rows(stats, failed), _samples(store), _runs(manifest, stats, retries), _workers(stats), _setup(manifest)]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(manifest["name"])} – '
             f'specbatch report</title><style>{CSS}</style></head><body>{"".join(body)}'
@@ -155,6 +158,24 @@ def _pass_times(stats: list[ShardStats], load: MachineLoad | None, warning: str)
             + _table(["shard", "worker", "target passes", "ms per pass", "× fastest"],
                      [[i, by_id[i].worker_id, by_id[i].target_passes, times[i], times[i] / found.fastest_ms]
                       for i in slowest], numeric={2, 3, 4}))
+
+
+def _plan(store: Store, stats: list[ShardStats]) -> str:
+    """`specbatch plan`'s prediction beside what the job measured, when a plan was made for this output."""
+    plan = store.read_json(PLAN_FILE)
+    if not plan or not stats:
+        return ""
+    p = plan["predicted"]
+    measured = {"output rows": sum(s.rows for s in stats), "generated tokens": sum(s.generated_tokens for s in stats),
+                "generating s (one worker)": sum(s.prefill_s + s.verify_s + s.draft_s + s.other_s for s in stats)}
+    predicted = {"output rows": p["output_rows"], "generated tokens": p["generated_tokens"],
+                 "generating s (one worker)": p["generating_s_one_worker"]}
+    where = f"simulated for {plan['simulated_on']}" if plan.get("simulated_on") else f"measured on {plan.get('measured_on')}"
+    rows = [[name, predicted[name], value, f"{(predicted[name] - value) / value:+.0%}" if value else "–"]
+            for name, value in measured.items()]
+    return (f"<h2>Plan against the result</h2><p>The plan ({escape(where)}, a {plan['sample']['rows']}-row pilot) "
+            f"predicted the job at its settings; the committed shards measured:</p>"
+            + _table(["figure", "predicted", "measured", "error"], rows, numeric={1, 2}))
 
 
 def _speculation(manifest: dict, stats: list[ShardStats]) -> str:

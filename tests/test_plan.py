@@ -49,6 +49,8 @@ def test_plan_predicts_the_jobs_tokens(model_dir, tmp_path, write_input, write_y
     plan = json.loads(capsys.readouterr().out)
     summary = run_in_process(config)
     actual = summary["job"]["generated_tokens"]
+    report = (tmp_path / "out" / "report.html").read_text()
+    assert "Plan against the result" in report and f">{plan['predicted']['generated_tokens']}<" in report
     assert abs(plan["predicted"]["generated_tokens"] - actual) <= 0.25 * actual
     assert plan["predicted"]["output_rows"] == 40 and plan["predicted"]["generating_s"] > 0
     assert plan["predicted"]["cost"] == pytest.approx(3.0 * plan["predicted"]["generating_s"] / 3600)
@@ -64,6 +66,7 @@ def test_plan_predicts_the_jobs_tokens(model_dir, tmp_path, write_input, write_y
 
     assert main(["plan", job, "--sample", "8", "--hardware", "h200"]) == 0
     text = capsys.readouterr().out
+    assert f"saved: {tmp_path / 'out' / 'plan.json'}" in text
     assert "SIMULATED for h200" in text and "not a measurement" in text and "| batch size |" in text
 
 
