@@ -8,6 +8,8 @@ stream from memory as in decoding, not from cache), and the losing layout is fre
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import statistics
 import time
 
@@ -37,32 +39,23 @@ def _pass_s(model: DecodingModel, repeats: int) -> float:
 
 
 def packed_only(model: DecodingModel) -> DecodingModel:
-    """The same model with its width-1 passes on the packed kernel (plain copies dropped)."""
-    fused = model.fused
+    """A copy of the model whose width-1 passes run on the packed kernel (plain copies dropped); the model given
+    is left as it was."""
+    fused = copy.copy(model.fused)
     if fused is not None:
         fused.layers = [layer._replace(**{name: _without_plain(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")})
                         for layer in fused.layers]
-    model.head = _without_plain(model.head)
-    return model
+    return dataclasses.replace(model, fused=fused, head=_without_plain(model.head))
 
 
 def choose_single_row_kernel(model: DecodingModel, repeats: int = 5) -> tuple[DecodingModel, dict[str, float]]:
     """Time a width-1 pass both ways (interleaved) and keep the faster; returns the model and the timings (ms)."""
     if model.fused is None or model.head.plain is None or model.head.packed is None:
         return model, {}
-    packed = DecodingModel(model.model, _copy_fused(model), model.head, model.step)
-    packed = packed_only(packed)
+    packed = packed_only(model)
     plain_s, packed_s = [], []
     for _ in range(2):
         plain_s.append(_pass_s(model, repeats))
         packed_s.append(_pass_s(packed, repeats))
     timings = {"gemv_ms": 1e3 * min(plain_s), "packed_ms": 1e3 * min(packed_s)}
     return (packed if timings["packed_ms"] < timings["gemv_ms"] else model), timings
-
-
-def _copy_fused(model: DecodingModel):
-    """A shallow copy of the fused decoder whose layer list can be replaced without touching the original."""
-    fused = object.__new__(type(model.fused))
-    fused.__dict__.update(model.fused.__dict__)
-    fused.layers = list(model.fused.layers)
-    return fused
