@@ -31,7 +31,7 @@ def _run(args: argparse.Namespace) -> int:
     from workers.shard_io import InputError
     from workers.storage import StorageError
 
-    config = load_config(args.config, args.set)
+    config = load_config(args.config, overrides(args))
     for warning in config_warnings(config):
         print(f"warning: {warning}", file=sys.stderr)
     if args.verify_sample and config.generation.temperature > 0:
@@ -65,6 +65,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The --set overrides, with --limit N as the input.limit it stands for."""
+    return args.set + ([f"input.limit={args.limit}"] if args.limit is not None else [])
+
+
 def _error(exc: Exception) -> int:
     print(f"error: {exc}", file=sys.stderr)
     return 1
@@ -73,7 +78,7 @@ def _error(exc: Exception) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from jobs import cluster
 
-    job_id = cluster.submit(args.address, args.config, args.set, args.overwrite, args.env)
+    job_id = cluster.submit(args.address, args.config, overrides(args), args.overwrite, args.env)
     print(job_id)
     if not args.wait:
         return 0
@@ -186,6 +191,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="job YAML (local path or URL)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     run.add_argument("--overwrite", action="store_true", help="replace output written by a different config")
+    run.add_argument("--limit", type=int, default=None, metavar="N",
+                     help="run only the input's first N rows (input.limit); a later run without it resumes them")
     run.add_argument("--address", default=None,
                      help="attach to a running Ray cluster ('auto', or the head's HOST:PORT) instead of starting one")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -208,6 +215,7 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("config", help="job YAML: a local file (uploaded with the job) or a URL the cluster can read")
     submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     submit.add_argument("--overwrite", action="store_true", help="replace output written by a different config")
+    submit.add_argument("--limit", type=int, default=None, metavar="N", help="run only the input's first N rows")
     submit.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable for the job (not secrets: the runtime env is shown in the dashboard)")
     submit.add_argument("--wait", action="store_true", help="follow the logs until the job ends; exit 1 unless it succeeded")

@@ -11,6 +11,11 @@ def describe(summary: dict) -> str:
     if run["shards_run"]:
         lines.append(f"this run: {run['shards_run']} shards ({run['shards_resumed']} resumed), {run['generated_tokens']} "
                      f"tokens in {run['wall_s']:.1f}s ({run['tokens_per_s']:.1f} tokens/s end to end)")
+    if summary.get("resumed_with_changes"):
+        lines.append("resumed with other run-only settings (the output cannot show them): "
+                     + "; ".join(summary["resumed_with_changes"]))
+    if summary.get("learning"):
+        lines.append(learning_line(summary["learning"]))
     lines += noise_lines(summary)
     if "verify_sample" in summary:
         lines.append(describe_verification(summary["verify_sample"]))
@@ -22,6 +27,18 @@ def job_line(job: dict) -> str:
     return (f"job: {job['rows']} rows ({job['failed_rows']} failed), {job['generated_tokens']} tokens, "
             f"{job['tokens_per_s']:.1f} tokens/s while generating; {job['tokens_per_row_pass']:.2f} tokens per "
             f"row per target pass (batch: {job['batch_tokens_per_pass']:.2f}), acceptance {job['acceptance_rate']:.2f}")
+
+
+def learning_line(learning: dict) -> str:
+    """What a learning job's distillation did (pipeline/learning.py)."""
+    line = f"learning: {learning['status']}"
+    if "after_rows" in learning:
+        line += f" after {learning['after_rows']} rows"
+    if "distill_s" in learning:
+        line += f", distilled in {learning['distill_s']:.0f}s beside generation"
+    if learning.get("heldout_accept_by_position"):
+        line += ", held-out acceptance by position " + " ".join(f"{a:.2f}" for a in learning["heldout_accept_by_position"])
+    return line + (f": {learning['error']}" if "error" in learning else "")
 
 
 def noise_lines(summary: dict) -> list[str]:

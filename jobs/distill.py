@@ -10,13 +10,9 @@ The command's options are defined with the others in jobs/cli.py.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import io
-import json
 import sys
 import time
 
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from pipeline.config_file import load_config
@@ -24,34 +20,24 @@ from pipeline.planner import plan_shards
 from workers.config import JobConfig
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.generator import Request, SpeculativeGenerator
+from workers.learning import Sequence, committed_sequences, is_heldout
 from workers.models import load_model, load_tokenizer
 from workers.mtp_distill import (
-    TrainSettings,
-    acceptance,
+    distill_head,
     expected_speedup,
-    frequent_tokens,
     measure_costs,
-    target_features,
-    train,
 )
-from workers.mtp_head import HeadSpec, MTPHead, head_parameters, save_head
+from workers.mtp_head import head_parameters, save_head
 from workers.registry import Models, encode_prompt, make_generator, pick_device
 from workers.shard_io import InputRow, read_shard
 from workers.shard_runner import row_seed
-from workers.storage import absolute, list_files, read_bytes, safe_url
+from workers.storage import absolute, list_files, safe_url
 
-Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 FINAL_RESERVE_S = 60.0  # the end of the budget: final held-out scoring, cost measurement, save
 
 
 class DistillError(ValueError):
     """Distillation cannot run as asked; the message says what is missing."""
-
-
-def is_heldout(row_id: str, fraction: float) -> bool:
-    """A stable split by row id: the same prompts are held out on every run and machine."""
-    digest = hashlib.blake2b(row_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
 def input_rows(config: JobConfig) -> list[InputRow]:
@@ -87,22 +73,10 @@ def generate(generator: SpeculativeGenerator, config: JobConfig, tokenizer, rows
 
 def output_sequences(url: str, config: JobConfig, tokenizer) -> list[tuple[str, Sequence]]:
     """(row id, sequence) for every completed row of a job's output, prompts encoded as that job's worker did."""
-    options = config.output.storage_options
-    files = list_files(url.rstrip("/") + "/data", options, [".parquet"])
+    files = list_files(url.rstrip("/") + "/data", config.output.storage_options, [".parquet"])
     if not files:
         raise FileNotFoundError(f"{safe_url(url)} holds no job output (no data/*.parquet)")
-    found = []
-    for path in files:
-        table = pq.read_table(io.BytesIO(read_bytes(path, options)),
-                              columns=["id", "prompt", "completion_token_ids", "finish_reason"])
-        for record in table.to_pylist():
-            if record["finish_reason"] == "error" or not record["completion_token_ids"]:
-                continue
-            chat = config.input.messages_column is not None
-            row = InputRow(record["id"], None if chat else record["prompt"],
-                           json.loads(record["prompt"]) if chat else None)
-            found.append((record["id"], (encode(config, tokenizer, row), list(record["completion_token_ids"]))))
-    return found
+    return committed_sequences(files, config, tokenizer)
 
 
 def collect(args: argparse.Namespace, config: JobConfig, models: Models, started: float,
@@ -150,16 +124,10 @@ def run_distill(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     data_s = time.perf_counter() - started
-    examples = target_features(target, train_seqs, progress=progress)
-    heldout = target_features(target, held_seqs, progress=progress)
-    vocab_ids = frequent_tokens(examples, args.draft_vocab)
-    spec = HeadSpec.for_target(target, m.target, args.layers, 0 if vocab_ids is None else len(vocab_ids))
-    head = MTPHead(spec, target).to(device)
-    if vocab_ids is not None:
-        head.vocab_ids.copy_(vocab_ids)
-    settings = TrainSettings(seconds=max(0.0, budget - (time.perf_counter() - started) - FINAL_RESERVE_S),
-                             max_steps=args.steps, depth=args.depth)
-    result = train(head, examples, heldout, settings, clock_start=started, progress=progress)
+    head, result, scores = distill_head(target, m.target, train_seqs, held_seqs, started + budget - FINAL_RESERVE_S,
+                                        layers=args.layers, draft_vocab=args.draft_vocab, depth=args.depth,
+                                        max_steps=args.steps, clock_start=started, progress=progress)
+    spec = head.spec
     report = {
         "target": {"name": m.target, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
                    "dtype": str(target.dtype).removeprefix("torch."), "device": str(device)},
@@ -169,8 +137,7 @@ def run_distill(args: argparse.Namespace) -> int:
         "minutes": {"data": data_s / 60, "training": result.seconds / 60},
         "steps": result.steps,
         "curve": result.curve,
-        "heldout_accept_by_position": acceptance(head, heldout),
-        "train_accept_by_position": acceptance(head, examples[: len(heldout)]),
+        **scores,
     }
     report["speed"] = {}
     for rows in sorted({1, config.resources.batch_size}):

@@ -16,7 +16,9 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from tqdm import tqdm
 
+from pipeline.corpus_sharing import SharedCorpus
 from pipeline.job_state import HEARTBEAT_S, JobState
+from pipeline.learning import Learner
 from pipeline.noise import MachineLoad, cpu_times
 from pipeline.planner import Plan, plan_job
 from pipeline.report import write_report
@@ -139,15 +141,20 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
     resumed = state.claim(overwrite, len(plan.shards))
     try:
         planned = {spec.shard_id: spec for spec in plan.shards}
-        done = {k: s for k, s in state.committed().items() if k in planned} if resumed else {}
+        done = {k: s for k, s in state.committed().items() if k in planned and s.covers(planned[k])} if resumed else {}
         todo = deque((spec, 1) for spec in plan.shards if spec.shard_id not in done)
-        stats, checks = list(done.values()), None
+        stats, checks, learning = list(done.values()), None, {}
         if todo or verify_sample:
             connect(address, verbose)
             pool = WorkerPool.ready(config, verbose)
             try:
                 if todo:
-                    stats += _dispatch(config, pool, state, todo, len(plan.shards), len(stats), progress)
+                    learner = Learner(config, state.store, pool.shape.cpus, pool.shape.gpus)
+                    try:
+                        stats += _dispatch(config, pool, state, todo, stats, len(plan.shards), progress, learner)
+                    finally:
+                        learner.stop()
+                    learning = learner.info
                 if verify_sample:
                     checks = _verify(pool, planned, pick_rows(stats, verify_sample, config.generation.seed))
             except JobFailed:
@@ -159,6 +166,10 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
                       MachineLoad.since(cpu_at_start))
         summary = summarize(stats, run, safe_url(config.output.path))
         summary["skipped_files"] = [f._asdict() for f in plan.skipped_files]
+        if state.changes:
+            summary["resumed_with_changes"] = state.changes
+        if learning:
+            summary["learning"] = learning
         if checks is not None:
             summary["verify_sample"] = summarize_checks(checks)
         write_closing_files(state.store, stats, summary)
@@ -168,22 +179,29 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
         state.release()
 
 
-def _dispatch(config: JobConfig, pool: WorkerPool, state: JobState, todo: deque, total: int, skipped: int,
-              progress: bool) -> list[ShardStats]:
-    """Keep every actor busy with one shard at a time until the queue is empty."""
+def _dispatch(config: JobConfig, pool: WorkerPool, state: JobState, todo: deque, earlier: list[ShardStats],
+              total: int, progress: bool, learner: Learner) -> list[ShardStats]:
+    """Keep every actor busy with one shard at a time until the queue is empty; each shard carries the job's
+    learnt head (once there is one) and the other workers' newly committed shards for its suffix index."""
     running: dict[ray.ObjectRef, tuple[str, ShardSpec, int]] = {}
     idle, results, failures = deque(pool.actors), [], []
-    bar = tqdm(total=total, initial=skipped, unit="shard", disable=not progress, desc=f"{config.name} shards")
+    corpus = SharedCorpus(config, earlier)
+    bar = tqdm(total=total, initial=len(earlier), unit="shard", disable=not progress, desc=f"{config.name} shards")
     generated, t0 = 0, time.time()
     try:
-        while todo or running:
+        while todo or running or learner.finishing_slice:
             while todo and idle:
                 worker_id = idle.popleft()
                 spec, attempt = todo.popleft()
-                running[pool.actors[worker_id].run_shard.remote(spec, attempt, state.run_id)] = (worker_id, spec, attempt)
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=HEARTBEAT_S / 3)
+                ref = pool.actors[worker_id].run_shard.remote(spec, attempt, state.run_id, learner.head,
+                                                             corpus.unread(worker_id))
+                running[ref] = (worker_id, spec, attempt)
+            ready, _ = ray.wait(list(running) + learner.pending, num_returns=1, timeout=HEARTBEAT_S / 3)
             state.heartbeat_if_due()
             for ref in ready:
+                if ref not in running:
+                    learner.finished()
+                    continue
                 worker_id, spec, attempt = running.pop(ref)
                 try:
                     result: ShardStats = ray.get(ref)
@@ -199,6 +217,8 @@ def _dispatch(config: JobConfig, pool: WorkerPool, state: JobState, todo: deque,
                     continue
                 idle.append(worker_id)
                 results.append(result)
+                corpus.commit(result)
+                learner.committed(earlier + results)
                 generated += result.generated_tokens
                 bar.update(1)
                 bar.set_postfix_str(progress_note(sum(r.rows for r in results), generated, time.time() - t0))

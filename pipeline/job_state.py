@@ -28,7 +28,13 @@ HEARTBEAT_S = 30.0
 LEASE_TTL_S = 120.0
 # Sections and keys that change how a job runs but not what it writes: resume ignores them.
 _RUN_ONLY_SECTIONS = ("resources", "retries")
-_RUN_ONLY_KEYS = ("storage_options", "max_failed_rows", "step")  # model.step: how passes run, not what they compute
+_RUN_ONLY_KEYS = ("storage_options", "max_failed_rows", "step", "limit")  # model.step: how passes run;
+                                                                            # input.limit: which rows run now
+# What drafts, and how far: lossless speculation never changes a token it writes, so these are run-only too
+# wherever the output is provably drafter-invariant (see drafter_invariant).
+DRAFTER_KEYS = ("model.drafter", "model.draft", "speculation.k", "speculation.max_k", "speculation.ngram_size",
+                "speculation.suffix_max_tokens", "speculation.learn", "speculation.learn_after_rows",
+                "speculation.learn_minutes")
 
 
 class OutputConflict(RuntimeError):
@@ -58,6 +64,7 @@ class JobState:
         self.run_id = uuid.uuid4().hex[:12]
         self.started = time.time()
         self.last_beat = 0.0
+        self.changes: list[str] = []  # run-only settings this run changed against the output's previous runs
 
     def check(self, overwrite: bool) -> dict | None:
         """The output's manifest (None for a fresh path), after refusing a path that a live job holds
@@ -82,6 +89,7 @@ class JobState:
             for part in OUTPUTS:
                 self.store.delete(part)
             manifest = None
+        self.changes = run_only_changes(manifest["config"], redacted(self.config)) if manifest else []
         self.remove_partials()
         self.heartbeat()
         self.store.write_json({"name": self.config.name, "fingerprint": fingerprint(self.config),
@@ -163,15 +171,40 @@ def lease_alive(lease: dict) -> bool:
     return True
 
 
+def drafter_invariant(config_dict: dict[str, Any]) -> bool:
+    """Whether the job's tokens are the same whatever drafts them: greedy decoding, or sampling where every
+    drafter's proposal is checked against the target's own draw (deterministic drafters; every drafter under
+    `speculation.sampling: invariant`). Textbook rejection sampling from a model drafter's q is not."""
+    g, s, m = (config_dict.get(section, {}) for section in ("generation", "speculation", "model"))
+    drafter = m.get("drafter", [])
+    models = {"model", "mtp"} & set(drafter if isinstance(drafter, list) else [drafter]) or s.get("learn") == "mtp"
+    greedy = g.get("temperature", 0) == 0 or g.get("top_k") == 1
+    return greedy or s.get("sampling", "rejection") == "invariant" or not models
+
+
 def _output_fields(config_dict: dict[str, Any]) -> dict[str, Any]:
     """The parts of a (redacted) config dict that determine the job's output."""
+    invariant = drafter_invariant(config_dict)
 
-    def strip(node: Any) -> Any:
+    def strip(node: Any, path: str) -> Any:
         if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if k not in _RUN_ONLY_KEYS}
+            return {k: strip(v, f"{path}{k}.") for k, v in node.items()
+                    if k not in _RUN_ONLY_KEYS and not (invariant and f"{path}{k}" in DRAFTER_KEYS)}
         return node
 
-    return {k: strip(v) for k, v in config_dict.items() if k not in _RUN_ONLY_SECTIONS}
+    return {k: strip(v, f"{k}.") for k, v in config_dict.items() if k not in _RUN_ONLY_SECTIONS}
+
+
+def run_only_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """"key: old -> new" for every drafter or run-only setting a resumed job changed (its output cannot show it)."""
+    def leaves(node: Any, path: str = "") -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, child in node.items() for k, v in leaves(child, f"{path}{key}.").items()}
+        return {path.rstrip("."): node}
+
+    before, after = leaves(old), leaves(new)
+    return [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in sorted(before.keys() | after.keys())
+            if before.get(key) != after.get(key) and key.split(".", 1)[0] != "output"]
 
 
 def fingerprint(config: JobConfig) -> str:

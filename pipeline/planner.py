@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Literal, NamedTuple
 
 import pyarrow as pa
@@ -21,7 +21,7 @@ from fsspec import AbstractFileSystem
 
 from workers.config import JobConfig
 from workers.model_paths import check_head_path, check_model_path
-from workers.shard_io import InputError, ShardSpec, check_columns
+from workers.shard_io import InputError, ShardSpec, jsonl_lines, check_columns
 from workers.storage import is_transient, list_files, on_storage, safe_url
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,28 @@ def plan_shards(config: JobConfig) -> Plan:
         for start, stop in found.ranges:
             shards.append(ShardSpec(f"shard-{len(shards):05d}", url, kind, start, stop))  # type: ignore[arg-type]
         total = None if total is None or found.rows is None else total + found.rows
+    if cfg.limit is not None:
+        shards, total = first_rows(shards, cfg.limit, cfg.storage_options)
     return Plan(shards, skipped, total)
+
+
+def first_rows(shards: list[ShardSpec], limit: int, storage_options: dict) -> tuple[list[ShardSpec], int]:
+    """The shards holding the input's first `limit` rows, the last one cut short, and their row count. Shard ids
+    stay those of the whole job's plan, so the whole job later resumes the slice. JSONL lines are counted by
+    reading the shards the limit reaches (at most about `limit` lines); Parquet needs no read."""
+    kept, left = [], limit
+    for spec in shards:
+        if left == 0:
+            break
+        if spec.kind == "parquet":
+            rows, cut = spec.stop - spec.start, spec.start + left
+        else:
+            lines = on_storage(spec.url, storage_options, lambda fs, path: jsonl_lines(fs, path, spec), "read")
+            starts = [offset for offset, line in lines if line.strip()]
+            rows, cut = len(starts), starts[left] if len(starts) > left else spec.stop
+        kept.append(replace(spec, stop=cut) if rows > left else spec)
+        left -= min(rows, left)
+    return kept, limit - left
 
 
 def _inspect(url: str, config: JobConfig) -> _FileRanges | SkippedFile:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import yaml
 import torch
 from tiny_models import save_model_dir, tiny_draft, tiny_llama, tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM

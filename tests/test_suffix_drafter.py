@@ -11,7 +11,6 @@ from tests.tiny_models import tiny_llama, tiny_tokenizer
 from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import Drafter, Proposal, Row, pack
-from workers.engine.ngram_drafter import NgramDrafter
 from workers.engine.suffix_drafter import SuffixDrafter
 from workers.registry import Models
 from workers.schemas import ShardStats

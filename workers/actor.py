@@ -6,7 +6,7 @@ names this class to Ray and must start without them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import ray
 
@@ -16,6 +16,13 @@ from workers.shard_io import ShardSpec
 
 if TYPE_CHECKING:
     from workers.verify_sample import RowCheck
+
+
+class HeadBroadcast(NamedTuple):
+    """A learnt head as the driver hands it out: a version, and a reference to its files in the object store
+    (inside this tuple Ray passes the reference, not the value: a worker fetches the files once per version)."""
+    version: int
+    files: ray.ObjectRef
 
 
 class GenerationWorker:
@@ -29,8 +36,15 @@ class GenerationWorker:
         torch.set_num_threads(max(1, math.ceil(cpus)))  # cpus_per_worker is this worker's torch thread count
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         self.runner = ShardRunner(JobConfig.model_validate(config), worker_id, ray_node_id=node)
+        self.head_version = 0
 
-    def run_shard(self, spec: ShardSpec, attempt: int, run_id: str) -> ShardStats:
+    def run_shard(self, spec: ShardSpec, attempt: int, run_id: str, head: HeadBroadcast | None = None,
+                  completions: tuple[str, ...] = ()) -> ShardStats:
+        """Run a shard; first switch to a newer learnt head and index other workers' new completions."""
+        if head is not None and head.version != self.head_version:
+            self.runner.use_head(ray.get(head.files))
+            self.head_version = head.version
+        self.runner.read_completions(list(completions))
         return self.runner.run(spec, attempt, run_id)
 
     def verify(self, spec: ShardSpec, picks: list[int]) -> list[RowCheck]:
@@ -38,3 +52,10 @@ class GenerationWorker:
 
     def device(self) -> str:
         return str(self.runner.device)
+
+
+def learn_head_task(config: dict, data_urls: list[str], out_url: str, cpus: float) -> dict[str, bytes]:
+    """The learning job's Ray task (workers/learning.py); torch loads in the task's process, not the driver's."""
+    from workers.learning import learn_head
+
+    return learn_head(config, data_urls, out_url, cpus)

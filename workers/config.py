@@ -95,6 +95,9 @@ class InputConfig(_Section):
         "fail", description="corrupt / non-Parquet file: `fail` (name it) or `skip` (listed in the summary)")
     duplicate_ids: Literal["error", "suffix"] = Field(
         "error", description="a repeated id within a shard: `error` row, or `suffix` (`id#1`)")
+    limit: int | None = Field(None, ge=1, description=(
+        "run only the input's first N rows (a slice of the job; `--limit N` sets it): a later run without it on "
+        "the same output resumes the slice's shards and runs the rest"))
 
     @field_validator("template")
     @classmethod
@@ -198,6 +201,13 @@ class SpeculationConfig(_Section):
     suffix_max_tokens: int = Field(32768, ge=0, description=(
         "tokens the suffix drafter keeps indexed per worker (prompts and completions, oldest finished rows "
         "evicted first); about 2 KiB of memory per token"))
+    learn: Literal["none", "mtp"] = Field("none", description=(
+        "`mtp`: the job distils an MTP draft head from its own committed completions once "
+        "`learn_after_rows` are written, saves it under OUTPUT/drafters/, and every worker then drafts with "
+        "the copy drafters first and the head after them; a resumed job starts with the saved head"))
+    learn_after_rows: int = Field(256, ge=8, description="output rows committed before the head is distilled")
+    learn_minutes: float = Field(5.0, gt=0, description=(
+        "wall-clock budget of the distillation (it runs beside generation, as a Ray task)"))
 
     @model_validator(mode="after")
     def _k_within_max(self) -> SpeculationConfig:
@@ -240,6 +250,14 @@ class JobConfig(_Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
+
+    @model_validator(mode="after")
+    def _learn_from_copy_drafters(self) -> JobConfig:
+        models = [name for name in self.model.drafters if name in ("model", "mtp")]
+        if self.speculation.learn != "none" and models:
+            raise _key_error("speculation.learn", f"a learning job starts from copy drafters (ngram, suffix, none) and adds the "
+                                      f"head it learns; model.drafter names '{models[0]}'")
+        return self
 
 
 def config_warnings(config: JobConfig) -> list[str]:

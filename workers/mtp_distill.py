@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.mtp_drafter import CachedHead, draft_rows
-from workers.mtp_head import MTPHead
+from workers.mtp_head import HeadSpec, MTPHead
 
 
 @dataclass
@@ -253,6 +253,27 @@ def train(head: MTPHead, examples: list[Example], heldout: list[Example], settin
 def _schedule(step: int, progress: float, warmup: int = 20) -> float:
     """Linear warmup over the first steps, then cosine decay to a tenth over the time budget."""
     return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def distill_head(target: PreTrainedModel, name: str, train_seqs: list[tuple[list[int], list[int]]],
+                 held_seqs: list[tuple[list[int], list[int]]], deadline: float, *, layers: int = 1,
+                 draft_vocab: int = 8192, depth: int = 2, max_steps: int | None = None,
+                 clock_start: float | None = None, progress: bool = False) -> tuple[MTPHead, TrainResult, dict]:
+    """Target features, a head over the completions' most frequent tokens, training until `deadline`
+    (time.perf_counter) or max_steps, then acceptance per position on held-out and training sequences.
+    `specbatch distill` and a learning job (workers/learning.py) both distil with this."""
+    examples = target_features(target, train_seqs, progress=progress)
+    heldout = target_features(target, held_seqs, progress=progress)
+    vocab_ids = frequent_tokens(examples, draft_vocab)
+    spec = HeadSpec.for_target(target, name, layers, 0 if vocab_ids is None else len(vocab_ids))
+    head = MTPHead(spec, target).to(target.device)
+    if vocab_ids is not None:
+        head.vocab_ids.copy_(vocab_ids)
+    settings = TrainSettings(seconds=max(0.0, deadline - time.perf_counter()), max_steps=max_steps, depth=depth)
+    result = train(head, examples, heldout, settings, clock_start=clock_start, progress=progress)
+    scores = {"heldout_accept_by_position": acceptance(head, heldout),
+              "train_accept_by_position": acceptance(head, examples[: len(heldout)])}
+    return head, result, scores
 
 
 @torch.no_grad()

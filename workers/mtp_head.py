@@ -31,10 +31,10 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from workers.model_paths import HEAD_CONFIG, check_head_path
+from workers.model_paths import HEAD_CONFIG, HEAD_REPORT, HEAD_WEIGHTS, check_head_path, read_head_files
 from workers.storage import join, read_bytes, write_bytes_atomic
 
-WEIGHTS, CONFIG, REPORT = "head.safetensors", HEAD_CONFIG, "report.json"
+WEIGHTS, CONFIG, REPORT = HEAD_WEIGHTS, HEAD_CONFIG, HEAD_REPORT
 _BLOCK_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "rms_norm_eps", "max_position_embeddings")
 
@@ -161,10 +161,15 @@ def read_spec(url: str, storage_options: dict | None = None) -> HeadSpec:
 
 def load_head(url: str, target: PreTrainedModel, storage_options: dict | None = None) -> MTPHead:
     """The head at a local or object-storage folder, on the target's device and dtype, frozen and in eval mode."""
-    spec = read_spec(url, storage_options)
-    check_target(spec, target, url)
+    return head_from_files(read_head_files(url, storage_options), target, url)
+
+
+def head_from_files(files: dict[str, bytes], target: PreTrainedModel, where: str) -> MTPHead:
+    """A head from its folder's files (read_head_files), ready to draft for the target."""
+    spec = HeadSpec(**json.loads(files[CONFIG]))
+    check_target(spec, target, where)
     head = MTPHead(spec, target)
-    head.load_state_dict(load_safetensors(read_bytes(join(url, WEIGHTS), storage_options)), strict=True)
+    head.load_state_dict(load_safetensors(files[WEIGHTS]), strict=True)
     param = target.get_output_embeddings().weight
     head.to(param.device)
     for module in (head.hidden_norm, head.token_norm, head.proj, head.layers):

@@ -27,7 +27,7 @@ from workers.engine.ngram_drafter import NgramDrafter
 from workers.engine.sampling import SamplingParams
 from workers.engine.suffix_drafter import SuffixDrafter
 from workers.models import load_model, load_tokenizer
-from workers.mtp_head import MTPHead, load_head
+from workers.mtp_head import MTPHead, head_from_files, load_head
 
 
 log = logging.getLogger(__name__)
@@ -112,16 +112,35 @@ def make_controller(k: int | str, max_k: int, rows: int, costs: CostModel | None
     return AdaptiveK(max_k, rows, costs, prior) if k == "adaptive" else FixedK(int(k))
 
 
-def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
+def sampling_params(config: JobConfig) -> SamplingParams:
+    g = config.generation
+    return SamplingParams(g.temperature, g.top_k, g.top_p)
+
+
+def make_generator(config: JobConfig, models: Models, drafter: Drafter | None = None) -> SpeculativeGenerator:
+    """The config's generator; `drafter` replaces the one the config names (a learning job's, after the switch)."""
     g, s = config.generation, config.speculation
-    sampling = SamplingParams(g.temperature, g.top_k, g.top_p)
     max_k = s.max_k if s.k == "adaptive" else int(s.k)
-    settings = GenerationSettings(max_new_tokens=g.max_new_tokens, sampling=sampling, stop=tuple(g.stop),
+    settings = GenerationSettings(max_new_tokens=g.max_new_tokens, sampling=sampling_params(config), stop=tuple(g.stop),
                                   batch_size=config.resources.batch_size, max_k=max_k, overlong=config.input.overlong,
                                   logprobs=g.logprobs)
-    drafter = make_drafter(config.model.drafter, models, s, sampling)
+    drafter = drafter or make_drafter(config.model.drafter, models, s, settings.sampling)
     controller = make_controller(s.k, max_k, config.resources.batch_size, models.costs, drafter.acceptance_prior)
     return SpeculativeGenerator(models.target, models.tokenizer, drafter, controller, settings)
+
+
+def drafter_parts(drafter: Drafter) -> list[Drafter]:
+    """The drafters a (possibly composed) drafter drafts with, in order."""
+    return list(drafter.drafters) if isinstance(drafter, ComposedDrafter) else [drafter]
+
+
+def with_learned_head(config: JobConfig, models: Models, drafter: Drafter, files: dict[str, bytes]) -> SpeculativeGenerator:
+    """A learning job's generator once its head is learnt: the copy drafters it ran with, their state kept (a
+    suffix index keeps what it has read), first when they are confident, and the head for every other row."""
+    models.draft = head_from_files(files, models.target.model, "the job's learnt head")
+    head = make_drafter("mtp", models, config.speculation, sampling_params(config))
+    copies = [d for d in drafter_parts(drafter) if d.name != "none"]
+    return make_generator(config, models, ComposedDrafter([*copies, head]) if copies else head)
 
 
 def encode_prompt(tokenizer: Any, prompt: str | None, messages: list[dict] | None, chat_template: bool) -> list[int]:

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 if TYPE_CHECKING:
     from workers.engine.stats import GenerationStats
+    from workers.shard_io import ShardSpec
 
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -143,6 +144,9 @@ class ShardStats(Counters):
     device: str
     run_id: str  # the driver run that dispatched it; earlier runs' shards were resumed
     attempt: int
+    input_start: int = -1  # the input range it covered (ShardSpec.start/stop; -1: written before they were kept)
+    input_stop: int = -1
+    drafter: str = ""  # what drafted its rows (a learning job switches drafters between shards)
     started_at: float  # epoch seconds on the worker's clock
     finished_at: float
     peak_mem_bytes: int
@@ -161,6 +165,11 @@ class ShardStats(Counters):
         """Read back a record written by to_dict (a stats part file); fields added since it was written take
         their defaults, so a job started by an older version resumes."""
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+    def covers(self, spec: ShardSpec) -> bool:
+        """Whether this committed shard holds exactly the planned shard's rows (a `--limit` slice cuts its last
+        shard short; the full job runs that shard again)."""
+        return self.input_start < 0 or (self.input_start, self.input_stop) == (spec.start, spec.stop)
 
     def to_dict(self) -> dict[str, Any]:
         """The stored fields (a stats part file)."""

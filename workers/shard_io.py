@@ -109,7 +109,7 @@ def read_shard(spec: ShardSpec, cfg: InputConfig, keep_columns: Sequence[str] = 
             for i, record in enumerate(records, start=spec.start)
         ]
     rows = []
-    lines = on_storage(spec.url, cfg.storage_options, lambda fs, path: _jsonl_lines(fs, path, spec), "read")
+    lines = on_storage(spec.url, cfg.storage_options, lambda fs, path: jsonl_lines(fs, path, spec), "read")
     for offset, line in lines:
         if line.strip():
             rows.append(_jsonl_row(line, f"{shown}: line at byte {offset}", f"{name}@{offset}", cfg, keep_columns))
@@ -156,7 +156,7 @@ def _parquet_records(
     return table.slice(spec.start - first_row, spec.stop - spec.start).to_pylist()
 
 
-def _jsonl_lines(fs: AbstractFileSystem, path: str, spec: ShardSpec) -> list[tuple[int, bytes]]:
+def jsonl_lines(fs: AbstractFileSystem, path: str, spec: ShardSpec) -> list[tuple[int, bytes]]:
     """(byte offset, line) for every line that starts in [start, stop)."""
     lines = []
     with fs.open(path, "rb") as f:

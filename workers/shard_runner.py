@@ -15,7 +15,17 @@ import torch
 
 from workers.config import JobConfig
 from workers.engine.generator import Completion, Request
-from workers.registry import Models, encode_prompt, load_models, make_generator, pick_device
+from workers.engine.suffix_drafter import SuffixDrafter
+from workers.learning import committed_sequences
+from workers.registry import (
+    Models,
+    drafter_parts,
+    encode_prompt,
+    load_models,
+    make_generator,
+    pick_device,
+    with_learned_head,
+)
 from workers.schemas import ShardStats, output_schema
 from workers.shard_io import InputRow, ShardSpec, declared_types, read_shard, write_shard_output
 from workers.storage import join, write_bytes_atomic
@@ -40,6 +50,18 @@ class ShardRunner:
         self.generator = make_generator(config, self.models)
         if config.generation.chat_template and not getattr(self.models.tokenizer, "chat_template", None):
             raise ValueError(f"model {config.model.target} has no chat template; set generation.chat_template: false")
+
+    def use_head(self, files: dict[str, bytes]) -> None:
+        """Switch to the job's learnt MTP head (between shards: no batch is in flight)."""
+        self.generator = with_learned_head(self.config, self.models, self.generator.drafter, files)
+
+    def read_completions(self, urls: list[str]) -> None:
+        """Index other workers' committed shards in this worker's suffix drafter, so that its drafts come from
+        the whole job's output and not only from the shards it ran itself."""
+        suffix = [d for d in drafter_parts(self.generator.drafter) if isinstance(d, SuffixDrafter)]
+        if suffix and urls:
+            for _, (prompt, completion) in committed_sequences(urls, self.config, self.models.tokenizer):
+                suffix[0].index.add(prompt + completion)
 
     def _encode(self, row: InputRow) -> list[int]:
         return encode_prompt(self.models.tokenizer, row.prompt, row.messages, self.config.generation.chat_template)
@@ -85,7 +107,8 @@ class ShardRunner:
             result.stats, table.column("finish_reason").to_pylist(),
             shard_id=spec.shard_id, worker_id=self.worker_id, node=platform.node(), ray_node_id=self.ray_node_id,
             device=str(self.device),
-            run_id=run_id, attempt=attempt, started_at=started_at, finished_at=time.time(),
+            run_id=run_id, attempt=attempt, input_start=spec.start, input_stop=spec.stop,
+            drafter=self.generator.drafter.name, started_at=started_at, finished_at=time.time(),
             wall_s=time.perf_counter() - started, peak_mem_bytes=_peak_memory(self.device))
         write_bytes_atomic(join(out.path, "stats", "parts", f"{spec.shard_id}.json"),
                            json.dumps(stats.to_dict()).encode(), out.storage_options)

@@ -37,7 +37,6 @@ def _hf_pass(model: torch.nn.Module, prompts: list[list[int]], width: int, pad: 
     """transformers' forward of `width` new tokens per row after the prompts, each repeat on the same cache
     cropped back."""
     ids, mask = _left_padded(prompts, pad, model.device)
-    longest = ids.shape[1]
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
     new = ids[:, -1:].repeat(1, width)

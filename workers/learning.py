@@ -1,0 +1,83 @@
+"""A job that learns its own drafter: what runs on the cluster (the driver's side: pipeline/learning.py).
+
+- `learn_head`, a Ray task beside the workers: reads the job's committed completions back, distils an MTP
+  head from them within the time budget, saves it under OUTPUT/drafters/ and returns its files, which the
+  Ray object store then carries to every worker.
+- `committed_sequences`: a job's output read back as (prompt ids, completion ids), prompts encoded as the
+  job's workers encoded them; `specbatch distill --from` and the suffix drafters of the other workers read
+  completions the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import time
+
+import pyarrow.parquet as pq
+import torch
+
+from workers.config import JobConfig
+from workers.model_paths import read_head_files
+from workers.models import load_model, load_tokenizer
+from workers.mtp_distill import distill_head
+from workers.mtp_head import head_parameters, save_head
+from workers.registry import encode_prompt, pick_device
+from workers.shard_io import InputRow
+from workers.storage import read_bytes, safe_url
+
+Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
+HELDOUT_FRACTION = 0.1
+_FINAL_SHARE = 0.15         # of the budget, kept for held-out scoring and saving
+
+
+def is_heldout(row_id: str, fraction: float) -> bool:
+    """A stable split by row id: the same prompts are held out on every run and machine."""
+    digest = hashlib.blake2b(row_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def committed_sequences(urls: list[str], config: JobConfig, tokenizer) -> list[tuple[str, Sequence]]:
+    """(row id, sequence) for every completed row of the given output data files."""
+    options, chat = config.output.storage_options, config.input.messages_column is not None
+    found = []
+    for url in urls:
+        table = pq.read_table(io.BytesIO(read_bytes(url, options)),
+                              columns=["id", "prompt", "completion_token_ids", "finish_reason"])
+        for record in table.to_pylist():
+            if record["finish_reason"] == "error" or not record["completion_token_ids"]:
+                continue
+            row = InputRow(record["id"], None if chat else record["prompt"], json.loads(record["prompt"]) if chat else None)
+            prompt = encode_prompt(tokenizer, row.prompt, row.messages, config.generation.chat_template)
+            found.append((record["id"], (prompt, list(record["completion_token_ids"]))))
+    return found
+
+
+def learn_head(config_json: dict, data_urls: list[str], out_url: str, cpus: float) -> dict[str, bytes]:
+    """Distil a head for the job's target from the completions in `data_urls` within
+    speculation.learn_minutes (loading included), save it at `out_url` and return its files."""
+    started = time.perf_counter()
+    config = JobConfig.model_validate(config_json)
+    torch.set_num_threads(max(1, math.ceil(cpus)))
+    m, options = config.model, config.input.storage_options
+    budget = 60 * config.speculation.learn_minutes
+    target = load_model(m.target, m.dtype, pick_device(), options, m.trust_remote_code)
+    found = committed_sequences(data_urls, config, load_tokenizer(m.target, options, m.trust_remote_code))
+    held = [seq for rid, seq in found if is_heldout(rid, HELDOUT_FRACTION)]
+    train = [seq for rid, seq in found if not is_heldout(rid, HELDOUT_FRACTION)]
+    split = bool(held and train)
+    if not split:  # too few prompts to hold some out: score on training rows, and the report says so
+        train = held = train or held
+    head, result, scores = distill_head(target, m.target, train, held, started + budget * (1 - _FINAL_SHARE))
+    report = {"target": {"name": m.target, "dtype": str(target.dtype).removeprefix("torch."),
+                         "device": str(target.device)},
+              "workload": {"config": config.name, "source": f"job output {safe_url(config.output.path)}",
+                           "shards": len(data_urls), "train_sequences": len(train), "heldout_sequences": len(held) if split else 0,
+                           "train_completion_tokens": sum(len(c) for _, c in train)},
+              "head": {"layers": head.spec.n_layers, "draft_vocab": head.spec.draft_vocab or head.spec.vocab_size,
+                       "parameters": head_parameters(head)},
+              "steps": result.steps, "curve": result.curve, **scores,
+              "minutes": {"training": result.seconds / 60, "total": (time.perf_counter() - started) / 60}}
+    save_head(head, out_url, report, config.output.storage_options)
+    return read_head_files(out_url, config.output.storage_options)
