@@ -96,6 +96,7 @@ class WorkerPool:
             options["runtime_env"] = {"env_vars": QUIET_WORKER_ENV}
         if shape.memory:
             options["memory"] = shape.memory
+        self.runtime_env = options.get("runtime_env")  # the learning task's too
         self.actor_class = ray.remote(GenerationWorker).options(**options)
         self.actors = {}
         for _ in range(shape.count):
@@ -149,7 +150,7 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
             pool = WorkerPool.ready(config, verbose)
             try:
                 if todo:
-                    learner = Learner(config, state.store, pool.shape.cpus, pool.shape.gpus)
+                    learner = Learner(config, state.store, pool.shape.cpus, pool.shape.gpus, pool.runtime_env)
                     try:
                         stats += _dispatch(config, pool, state, todo, stats, len(plan.shards), progress, learner)
                     finally:

@@ -1,7 +1,8 @@
 """The driver's side of a learning job (speculation.learn: mtp): when to distil, and handing the head out.
 
 Once `learn_after_rows` output rows are committed, one Ray task (workers/learning.py, learn_head) distils an
-MTP head from the committed shards while the workers go on generating, with a worker's resources. Its
+MTP head from the committed shards while the workers go on generating, with a worker's resources (on CPUs:
+those free, or a share of the workers' when none are). Its
 result, the head's files, stays in the Ray object store; every shard handed out afterwards carries a
 reference to it, and a worker switches drafters before its next shard (it fetches the files once per
 version). A resumed job finds the head saved under OUTPUT/drafters/mtp/ and hands it out from its first shard.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 
 import ray
@@ -26,8 +28,8 @@ log = logging.getLogger(__name__)
 class Learner:
     """One job's learning: idle, distilling, or holding the head every new shard gets."""
 
-    def __init__(self, config: JobConfig, store: Store, cpus: float, gpus: float):
-        self.config, self.cpus, self.gpus = config, cpus, gpus
+    def __init__(self, config: JobConfig, store: Store, cpus: float, gpus: float, runtime_env: dict | None = None):
+        self.config, self.cpus, self.gpus, self.runtime_env = config, cpus, gpus, runtime_env
         self.enabled = config.speculation.learn != "none"
         self.url = store.url(*LEARNED_HEAD)
         self.head: HeadBroadcast | None = None
@@ -54,12 +56,13 @@ class Learner:
         if not self.enabled or self.head or self.task or self.info or rows < self.config.speculation.learn_after_rows:
             return
         free = ray.available_resources()
-        if free.get("CPU", 0.0) < self.cpus or free.get("GPU", 0.0) < self.gpus:
-            log.warning("learning waits for free resources (%.3g CPUs, %.3g GPUs; free now: %.3g, %.3g): leave room "
-                        "beside the workers for the distillation", self.cpus, self.gpus, free.get("CPU", 0.0),
-                        free.get("GPU", 0.0))
+        cpus = min(self.cpus, free.get("CPU", 0.0))  # none free: the distillation shares the workers' CPUs
+        if free.get("GPU", 0.0) < self.gpus:
+            log.warning("learning waits for a free GPU (it asks %.3g, %.3g are free): leave room beside the workers "
+                        "for the distillation", self.gpus, free.get("GPU", 0.0))
         urls = [join(self.config.output.path, "data", f"{s.shard_id}.parquet") for s in stats]
-        task = ray.remote(learn_head_task).options(num_cpus=self.cpus, num_gpus=self.gpus, max_retries=0)
+        task = ray.remote(learn_head_task).options(num_cpus=cpus, num_gpus=self.gpus, max_retries=0,
+                                                   runtime_env=self.runtime_env)
         self.task = task.remote(self.config.model_dump(mode="json"), urls, self.url, self.cpus)
         self.launched = time.time()
         self.info = {"status": "distilling", "after_rows": rows, "after_shards": len(stats)}
@@ -90,4 +93,5 @@ def _report_figures(files: dict[str, bytes]) -> dict:
     """What the summary repeats from a head's training report."""
     report = json.loads(files[HEAD_REPORT])
     return {"steps": report.get("steps"), "train_sequences": report.get("workload", {}).get("train_sequences"),
-            "heldout_accept_by_position": [round(a, 3) for a in report.get("heldout_accept_by_position", [])]}
+            "heldout_accept_by_position": [round(a, 3) for a in report.get("heldout_accept_by_position", [])
+                                           if not math.isnan(a)]}  # nan: no draft reached that position

@@ -62,15 +62,21 @@ def build_report(store: Store, stats: list[ShardStats] | None = None) -> str:
     failed = (store.apply(lambda fs, path: pq.read_table(path, filesystem=fs), "read", "errors.parquet")
               if store.exists("errors.parquet") else failed_rows(store, stats)).to_pylist()
     status = job_status(store)
-    load = load_of((store.read_json("summary.json") or {}).get("noise"))
+    summary = store.read_json("summary.json") or {}
+    load = load_of(summary.get("noise"))
     found = spread(ms_per_pass(stats))
     warning = f'<p class="warn">{escape(verdict(found, load))}.</p>' if found and found.noisy else ""
     body = [_header(manifest, stats, status, store.root, warning), _throughput(stats, load, warning),
-            _plan(store, stats), _speculation(manifest, stats),
+            _plan(store, stats), _drafters(summary.get("learning"), stats), _speculation(manifest, stats),
             _rows(stats, failed), _samples(store), _runs(manifest, stats, retries), _workers(stats), _setup(manifest)]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(manifest["name"])} – '
             f'specbatch report</title><style>{CSS}</style></head><body>{"".join(body)}'
             f'<p class="note">Written {_when(datetime.datetime.now().timestamp())} by specbatch report.</p></body></html>')
+
+
+def generating_s(s: ShardStats) -> float:
+    """The generator's time on a shard (prefill, draft, verify and the rest), without reading and writing."""
+    return s.prefill_s + s.verify_s + s.draft_s + s.other_s
 
 
 def _when(epoch: float | None) -> str:
@@ -167,7 +173,7 @@ def _plan(store: Store, stats: list[ShardStats]) -> str:
         return ""
     p = plan["predicted"]
     measured = {"output rows": sum(s.rows for s in stats), "generated tokens": sum(s.generated_tokens for s in stats),
-                "generating s (one worker)": sum(s.prefill_s + s.verify_s + s.draft_s + s.other_s for s in stats)}
+                "generating s (one worker)": sum(generating_s(s) for s in stats)}
     predicted = {"output rows": p["output_rows"], "generated tokens": p["generated_tokens"],
                  "generating s (one worker)": p["generating_s_one_worker"]}
     where = f"simulated for {plan['simulated_on']}" if plan.get("simulated_on") else f"measured on {plan.get('measured_on')}"
@@ -176,6 +182,35 @@ def _plan(store: Store, stats: list[ShardStats]) -> str:
     return (f"<h2>Plan against the result</h2><p>The plan ({escape(where)}, a {plan['sample']['rows']}-row pilot) "
             f"predicted the job at its settings; the committed shards measured:</p>"
             + _table(["figure", "predicted", "measured", "error"], rows, numeric={1, 2}))
+
+
+def _drafters(learning: dict | None, stats: list[ShardStats]) -> str:
+    """Shards by the drafter that drafted them, and what a learning job's distillation did and cost: a learning
+    job's shards before and after its switch, side by side."""
+    by_drafter: dict[str, list[ShardStats]] = {}
+    for s in stats:
+        by_drafter.setdefault(s.drafter or "not recorded", []).append(s)
+    if not learning and len(by_drafter) < 2:
+        return ""
+    rows = []
+    for name, shards in by_drafter.items():
+        t, busy = Counters.total(shards), sum(generating_s(s) for s in shards)
+        rows.append([name, len(shards), t.rows, t.generated_tokens, t.generated_tokens / busy if busy else 0.0,
+                     t.acceptance_rate, t.tokens_per_row_pass])
+    text = ""
+    if learning:
+        figures = [("status", learning["status"])]
+        figures += [(label, f"{learning[key]:{fmt}}") for key, label, fmt in
+                    (("after_rows", "distillation started after rows", "d"),
+                     ("distill_s", "distillation took (s, beside generation)", ".0f"), ("steps", "training steps", "d"))
+                    if learning.get(key) is not None]
+        if learning.get("heldout_accept_by_position"):
+            figures.append(("held-out acceptance by draft position (each given the earlier ones)",
+                            " ".join(f"{a:.2f}" for a in learning["heldout_accept_by_position"])))
+        text = "<p>The job distilled its own MTP head from its committed completions.</p>" + _figures(figures)
+    return ("<h2>Drafters</h2>" + text
+            + _table(["drafter", "shards", "rows", "generated tokens", "tokens/s while generating", "acceptance",
+                      "tokens per row per pass"], rows, numeric={1, 2, 3, 4, 5, 6}))
 
 
 def _speculation(manifest: dict, stats: list[ShardStats]) -> str:
