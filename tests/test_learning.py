@@ -88,10 +88,15 @@ def test_a_learning_job_saves_its_head_and_the_whole_job_drafts_with_it(model_di
     parts = [json.loads(p.read_text()) for p in (tmp_path / "o" / "stats" / "parts").glob("*.json")]
     new = [p for p in parts if p["run_id"] == summary["this_run"]["run_id"]]
     assert new and all(p["drafter"] == "suffix+ngram+mtp" for p in new)
+    assert {p["worker_id"] for p in new} == {"worker-000", "worker-001"}  # both switched to the one head
     assert {r["drafter"] for r in read_output(whole) if r["id"] in {p["id"] for p in rows[8:]}} == {"suffix+ngram+mtp"}
     reference = make_config(model_dir, str(tmp_path / "in.parquet"), str(tmp_path / "ref"), speculation={"k": 0})
     run_job(reference, progress=False)
     assert _tokens(whole) == _tokens(reference)
+    fixed = make_config(model_dir, str(tmp_path / "in.parquet"), str(tmp_path / "fixed"),
+                        model={"drafter": "mtp", "draft": head})  # another job names the saved head
+    assert run_job(fixed, progress=False)["job"]["drafted_tokens"] > 0
+    assert _tokens(fixed) == _tokens(reference)
 
 
 def test_each_worker_reads_the_others_committed_shards_once():
