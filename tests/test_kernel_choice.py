@@ -28,3 +28,18 @@ def test_packed_width_1_pass_matches_the_gemv_pass_and_drops_plain_weights(one_t
     assert packed.head.plain is None and all(layer.qkv.plain is None for layer in packed.fused.layers)
     torch.testing.assert_close(_logits(packed, prompt), want, rtol=1e-4, atol=1e-4)
     assert model.head.plain is not None, "choosing leaves the model it was given untouched"
+
+
+def test_a_remembered_choice_is_taken_without_measuring(one_torch_thread, tmp_path, monkeypatch):
+    import workers.engine.kernel_choice as kc
+
+    model = DecodingModel.prepare(tiny_llama(300, dtype=torch.float32))
+    if model.head.packed is None:
+        return
+    remembered = tmp_path / "kernel-choice.json"
+    chosen, first = choose_single_row_kernel(model, repeats=1, remembered=remembered)
+    monkeypatch.setattr(kc, "_pass_s", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+    again, second = choose_single_row_kernel(model, repeats=1, remembered=remembered)
+    assert second == first and (again.head.plain is None) == (chosen.head.plain is None)
+    remembered.write_text(remembered.read_text().replace(str(first["packed_ms"]), "1e9"))  # plain GEMV "won"
+    assert choose_single_row_kernel(model, remembered=remembered)[0].head.plain is not None

@@ -26,6 +26,7 @@ from workers.engine.mtp_drafter import MTPDrafter
 from workers.engine.ngram_drafter import NgramDrafter
 from workers.engine.sampling import SamplingParams
 from workers.engine.suffix_drafter import SuffixDrafter
+from workers.model_paths import cache_root
 from workers.models import load_model, load_tokenizer
 from workers.mtp_head import MTPHead, head_from_files, load_head
 
@@ -89,7 +90,7 @@ def load_models(config: JobConfig, device: torch.device) -> Models:
     target = DecodingModel.prepare(load_model(m.target, m.dtype, device, options, m.trust_remote_code), compile=m.compile,
                                    step=m.step)
     if device.type == "cpu":
-        target, timings = choose_single_row_kernel(target)
+        target, timings = choose_single_row_kernel(target, remembered=cache_root() / "kernel-choice.json")
         log.info("width-1 pass: %s", timings)
     models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code))
     loaders = [DRAFTERS[name].load_draft for name in m.drafters if DRAFTERS[name].load_draft is not None]

@@ -4,14 +4,18 @@ fp32 on a CPU keeps both layouts of every weight (workers/engine/linear.py): the
 tokens, the plain one for MKL's GEMV at one token, which was faster on some CPUs. On others the GEMV is
 the slower, and a width-1 pass then costs more than a width-3 one, which both wastes the plain pass and
 misleads the controller. So the choice is measured once per loaded model, on a whole pass (the weights
-stream from memory as in decoding, not from cache), and the losing layout is freed.
+stream from memory as in decoding, not from cache), and the losing layout is freed. The choice is kept in
+the model cache per CPU, torch build, thread count and model shape, so later starts skip the measurement.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,14 +52,52 @@ def packed_only(model: DecodingModel) -> DecodingModel:
     return dataclasses.replace(model, fused=fused, head=_without_plain(model.head))
 
 
-def choose_single_row_kernel(model: DecodingModel, repeats: int = 5) -> tuple[DecodingModel, dict[str, float]]:
-    """Time a width-1 pass both ways (interleaved) and keep the faster; returns the model and the timings (ms)."""
+def choose_single_row_kernel(model: DecodingModel, repeats: int = 5,
+                             remembered: Path | None = None) -> tuple[DecodingModel, dict[str, float]]:
+    """Time a width-1 pass both ways (interleaved) and keep the faster; returns the model and the timings (ms).
+    With `remembered` (a JSON file), a choice measured before for the same CPU, torch, threads and model shape
+    is taken from it instead: the measurement costs seconds at every worker start."""
     if model.fused is None or model.head.plain is None or model.head.packed is None:
         return model, {}
     packed = packed_only(model)
-    plain_s, packed_s = [], []
-    for _ in range(2):
-        plain_s.append(_pass_s(model, repeats))
-        packed_s.append(_pass_s(packed, repeats))
-    timings = {"gemv_ms": 1e3 * min(plain_s), "packed_ms": 1e3 * min(packed_s)}
+    key = _choice_key(model)
+    timings = _read(remembered).get(key) if remembered else None
+    if timings is None:
+        plain_s, packed_s = [], []
+        for _ in range(2):
+            plain_s.append(_pass_s(model, repeats))
+            packed_s.append(_pass_s(packed, repeats))
+        timings = {"gemv_ms": 1e3 * min(plain_s), "packed_ms": 1e3 * min(packed_s)}
+        if remembered:
+            _remember(remembered, key, timings)
     return (packed if timings["packed_ms"] < timings["gemv_ms"] else model), timings
+
+
+def _choice_key(model: DecodingModel) -> str:
+    """What decides which kernel wins: the CPU, torch's build and threads, and the model's shape and dtype."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "unknown cpu")
+    c = model.config
+    return (f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|{c.num_hidden_layers}x{c.hidden_size}"
+            f"x{c.intermediate_size}x{c.vocab_size}|{model.dtype}")
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(path: Path, key: str, timings: dict[str, float]) -> None:
+    """Add one choice; several workers on a node may race, and each write is whole (temp file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**_read(path), key: timings}, indent=1))
+    tmp.replace(path)
