@@ -114,7 +114,7 @@ def make_controller(k: int | str, max_k: int, rows: int, costs: CostModel | None
 
 def make_generator(config: JobConfig, models: Models) -> SpeculativeGenerator:
     g, s = config.generation, config.speculation
-    sampling = SamplingParams(g.temperature, g.top_k, g.top_p)
+    sampling = SamplingParams(g.temperature, g.top_k, g.top_p, s.sampling)
     max_k = s.max_k if s.k == "adaptive" else int(s.k)
     settings = GenerationSettings(max_new_tokens=g.max_new_tokens, sampling=sampling, stop=tuple(g.stop),
                                   batch_size=config.resources.batch_size, max_k=max_k, overlong=config.input.overlong,
