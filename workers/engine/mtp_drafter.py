@@ -52,7 +52,9 @@ class MTPDrafter(Drafter):
         self.pending: list[list[torch.Tensor]] = []  # per slot: target states not yet in the head's cache
 
     def start(self, max_rows: int, capacity: int) -> None:
-        self.lm = CachedHead(self.head, max_rows, capacity)
+        # A catch-up pads every row to the longest pending run (a new row's whole prompt, under `capacity`), so
+        # a row near its end may write padding up to `capacity` entries past it: the head's cache has room.
+        self.lm = CachedHead(self.head, max_rows, 2 * capacity)
         self.pending = [[] for _ in range(max_rows)]
 
     def admit(self, rows: list[Row], start: int, hidden: torch.Tensor | None) -> None:
