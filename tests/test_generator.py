@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -241,14 +242,17 @@ def test_empty_and_overlong_prompts(tok, prompt_ids, drafter_name):
 SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=0.95)
 
 
-def test_sampling_is_reproducible_and_independent_of_k_batch_and_deterministic_drafter(tok, target, draft, prompt_ids):
+@pytest.mark.parametrize("coupling", ["invariant", "rejection"])
+def test_sampling_is_reproducible_and_independent_of_k_batch_and_deterministic_drafter(tok, target, draft, prompt_ids,
+                                                                                        coupling):
     requests = requests_for(prompt_ids, seed0=1234)
+    sampling = replace(SAMPLING, coupling=coupling)
     outputs, drafted = {}, 0
     for name, k, batch_size in [("ngram", 0, 1), ("ngram", 2, 3), ("ngram", 4, 1), ("ngram", 4, 4), ("ngram", 1, 6),
                                 ("none", 3, 2), ("greedy-model", 3, 2), ("suffix", 3, 3), ("suffix+ngram", 4, 2)]:
         drafter = ModelDrafter(DecodingModel.prepare(draft), SamplingParams()) if name == "greedy-model" else make_drafter(
             name, draft, None, None, len(tok))
-        stats, results = run(target, tok, drafter, k, requests, batch_size=batch_size, sampling=SAMPLING)
+        stats, results = run(target, tok, drafter, k, requests, batch_size=batch_size, sampling=sampling)
         outputs[(name, k, batch_size)] = [r.token_ids for r in results]
         drafted += stats.drafted_tokens if name == "ngram" else 0
         check_stats(stats, k)
@@ -258,16 +262,17 @@ def test_sampling_is_reproducible_and_independent_of_k_batch_and_deterministic_d
         assert tokens == first, key
     assert all(len(t) == MAX_NEW or t[-1] == tok.eos_token_id for t in first)
     # the seed matters, and the sample is not the greedy one
-    _, other = run(target, tok, NgramDrafter(), 2, requests_for(prompt_ids, seed0=99), batch_size=3, sampling=SAMPLING)
+    _, other = run(target, tok, NgramDrafter(), 2, requests_for(prompt_ids, seed0=99), batch_size=3, sampling=sampling)
     assert [r.token_ids for r in other] != first
 
 
 def test_leviathan_path_is_reproducible_across_runs_and_batch_sizes(tok, target, draft, prompt_ids):
     requests = requests_for(prompt_ids, seed0=5)
+    rejection = replace(SAMPLING, coupling="rejection")
     outputs = []
     for batch_size in (1, 3, 3):
-        stats, results = run(target, tok, ModelDrafter(DecodingModel.prepare(draft), SAMPLING), 3, requests, batch_size=batch_size,
-                                 sampling=SAMPLING)
+        stats, results = run(target, tok, ModelDrafter(DecodingModel.prepare(draft), rejection), 3, requests,
+                             batch_size=batch_size, sampling=rejection)
         outputs.append([r.token_ids for r in results])
         check_stats(stats, 3)
         assert stats.accepted_tokens > 0

@@ -15,7 +15,7 @@ from jobs.cli import main
 from pipeline.driver import JobFailed, run_job
 from tests.pipeline_helpers import make_config, prompts, read_output
 from tests.test_generator import hf_greedy
-from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+from tests.tiny_models import StubTokenizer, save_model_dir, tiny_llama, tiny_tokenizer
 from workers.engine.controller import AdaptiveK, FixedK
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import NoDrafter
@@ -210,6 +210,22 @@ def test_greedy_with_the_head_equals_transformers_generate(tok, target, examples
     stats = result.stats
     if k != "adaptive":  # adaptive k may rightly draft little in 20 tokens; a fixed k always drafts
         assert stats.accepted_by_position[0] > 0.2 * stats.attempted_by_position[0] > 0, "the head should draft well here"
+
+
+def test_a_long_prompt_admitted_beside_a_row_near_its_end():
+    """The catch-up pads every row to the longest pending run, here the new row's whole prompt, while the
+    other row's head cache is nearly full: the padding must find room, and the output stay the target's."""
+    target = tiny_llama(16, seed=1, hidden=32)
+    target.generation_config.eos_token_id = None  # every row runs its 30 tokens
+    rng = random.Random(0)
+    requests = [Request(str(n), [rng.randrange(16) for _ in range(n)], 0) for n in (20, 20, 25)]
+    decoding = DecodingModel.prepare(target)
+    settings = GenerationSettings(max_new_tokens=30, batch_size=2, max_k=2)
+    outputs = []
+    for drafter, k in ((NoDrafter(), 0), (MTPDrafter(decoding, new_head(target), SamplingParams()), 2)):
+        generator = SpeculativeGenerator(decoding, StubTokenizer(), drafter, FixedK(k), settings)
+        outputs.append([c.token_ids for c in generator.generate(requests).completions])
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.timeout(240)

@@ -1,14 +1,16 @@
-"""Sampling is lossless: speculative sampling leaves the target's distribution exactly as it is.
+"""Sampling is lossless: speculative sampling leaves the target's distribution exactly as it is, under both
+couplings of a sampling draft with the target (invariant: shared Gumbel noise; rejection: Leviathan's rule).
 
 Oracles: transformers' own logits warpers (temperature, top-k, top-p, in that order) for the filtered
 distribution, and the exact joint distribution of the first tokens, enumerated with the target's
 plain (uncached) forward. Empirical frequencies over many seeds must pass a chi-square test; the same
-test must reject deliberately wrong samplers (accepting every draft; skipping the residual), so the
-bound has teeth.
+test must reject deliberately wrong samplers (accepting every draft; skipping the residual; dropping the
+shared noise; reusing one position's noise at every position), so the bound has teeth.
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from transformers.generation.logits_process import (
 )
 
 import workers.engine.generator as generator_module
+import workers.engine.sampling as sampling_module
 from tests.tiny_models import StubTokenizer, tiny_draft, tiny_llama
 from workers.engine.controller import FixedK
 from workers.engine.decoding_model import DecodingModel
@@ -44,6 +47,7 @@ V = 12
 PROMPT = [1, 5, 7, 3]
 P_MIN = 1e-5  # chi-square p-value below which a sampler is declared wrong
 PARAMS = [SamplingParams(0.7, top_k=6), SamplingParams(1.3, top_p=0.8), SamplingParams(0.8, top_k=8, top_p=0.9)]
+COUPLINGS = ["invariant", "rejection"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -130,6 +134,20 @@ def skip_residual(logits, drafts, draft_lens, params, seeds, positions, draft_pr
     return Verdict(accepted, out)
 
 
+def without_noise(logits, drafts, draft_lens, params, seeds, positions, draft_probs=None) -> Verdict:
+    """Wrong: the invariant rule with the noise dropped (every target token is the argmax)."""
+    targets = probabilities(logits, params).argmax(-1)
+    return sampling_module._verdict(drafts, draft_lens, targets, drafts == targets[:, : drafts.shape[1]])
+
+
+def one_noise_per_row(logits, drafts, draft_lens, params, seeds, positions, draft_probs=None) -> Verdict:
+    """Wrong: the invariant rule with the noise of output position 0 reused at every position."""
+    probs = probabilities(logits, params)
+    noise = sampling_module.exponentials(seeds, [0] * len(seeds), 1, torch.arange(probs.shape[-1]))
+    targets = (probs / noise).argmax(-1)
+    return sampling_module._verdict(drafts, draft_lens, targets, drafts == targets[:, : drafts.shape[1]])
+
+
 # ---------------------------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
@@ -150,12 +168,11 @@ def mtp_head(target, vocab_ids: torch.Tensor | None) -> MTPHead:
 @pytest.fixture(scope="module")
 def drafts(target):
     """Greedy drafts (the deterministic path) come from a draft sharing the target's first layer; sampled
-    drafts (the Leviathan path) from an unrelated model, or from an (untrained) MTP head on the target's own
-    states, over the whole vocabulary or over 8 of its 12 tokens (q is 0 outside them). All disagree with
-    the target often."""
+    drafts from an unrelated model, or from an (untrained) MTP head on the target's own states, over the
+    whole vocabulary or over 8 of its 12 tokens (q is 0 outside them). All disagree with the target often."""
     decoding = DecodingModel.prepare(target)
     return {"deterministic-draft": DecodingModel.prepare(tiny_draft(target)),
-            "leviathan": DecodingModel.prepare(tiny_llama(V, seed=2, hidden=32)),
+            "sampled-model": DecodingModel.prepare(tiny_llama(V, seed=2, hidden=32)),
             "mtp": (decoding, mtp_head(target, None)), "mtp-reduced": (decoding, mtp_head(target, torch.arange(2, 10)))}
 
 
@@ -212,11 +229,12 @@ def test_probabilities_match_transformers_warpers(params):
 def test_verify_sampled_first_token_is_exactly_the_target_distribution():
     """Unit level, many rows at once: p and q are fixed distributions with disjoint-ish supports (q puts
     mass where p has none and the reverse), the draft is sampled from q by the test. The first output
-    token must be distributed as p for the Leviathan rule, and for a deterministic draft too."""
+    token must be distributed as p for the Leviathan rule, for a deterministic draft under either coupling,
+    and for the invariant rule (which ignores q)."""
     n = 20_000
     gen = torch.Generator().manual_seed(1)
     p_logits = torch.randn(V, generator=gen, dtype=torch.float64) * 1.5
-    params = SamplingParams(1.0, top_k=7)
+    params = SamplingParams(1.0, top_k=7, coupling="rejection")
     p = hf_probs(p_logits, params)
     q = torch.softmax(-p_logits * 1.2, -1)  # anti-correlated with p: disagrees often
     q[int(p.argmax())] = 0
@@ -232,9 +250,13 @@ def test_verify_sampled_first_token_is_exactly_the_target_distribution():
     leviathan = verify_sampled(logits, drafts, lens, params, seeds, positions, draft_probs)
     assert 0.02 < leviathan.accepted.float().mean() < 0.9
     assert chi_square_pvalue(counts(leviathan), p.numpy()) > P_MIN
-    deterministic = verify_sampled(logits, drafts, lens, params, seeds, positions)
-    assert chi_square_pvalue(counts(deterministic), p.numpy()) > P_MIN
-    for wrong in (accept_everything, skip_residual):
+    invariant = replace(params, coupling="invariant")
+    for coupled in (params, invariant):
+        deterministic = verify_sampled(logits, drafts, lens, coupled, seeds, positions)
+        assert chi_square_pvalue(counts(deterministic), p.numpy()) > P_MIN
+    assert verify_sampled(logits, drafts, lens, invariant, seeds, positions, draft_probs).tokens == \
+        verify_sampled(logits, drafts, lens, invariant, seeds, positions).tokens, "the invariant rule must not read q"
+    for wrong in (accept_everything, skip_residual, without_noise):
         assert chi_square_pvalue(counts(wrong(logits, drafts, lens, params, seeds, positions, draft_probs)),
                                  p.numpy()) < P_MIN, wrong.__name__
     # each row appends its accepted drafts and exactly one more token
@@ -257,11 +279,12 @@ def test_uniforms_are_a_pure_function_of_seed_and_position():
 N = 3000
 
 
+@pytest.mark.parametrize("coupling", COUPLINGS)
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan", "mtp", "mtp-reduced"])
-def test_generator_samples_the_target_distribution(target, drafts, exact, params, path):
-    drafter = drafter_for(drafts, path, params)
-    pairs, thirds, stats = sample_first_tokens(target, drafter, params, N, k=2, seed0=1000)
+@pytest.mark.parametrize("path", ["deterministic-draft", "sampled-model", "mtp", "mtp-reduced"])
+def test_generator_samples_the_target_distribution(target, drafts, exact, params, path, coupling):
+    drafter = drafter_for(drafts, path, replace(params, coupling=coupling))
+    pairs, thirds, stats = sample_first_tokens(target, drafter, replace(params, coupling=coupling), N, k=2, seed0=1000)
     assert drafter.sampling.greedy == (path == "deterministic-draft")
     # the draft disagrees with the target often, but accepts enough for acceptance paths to matter
     assert acceptance(stats) < 0.7
@@ -271,14 +294,14 @@ def test_generator_samples_the_target_distribution(target, drafts, exact, params
     assert chi_square_pvalue(thirds, third) > P_MIN
 
 
-@pytest.mark.parametrize("wrong", [accept_everything, skip_residual])
-@pytest.mark.parametrize("path", ["deterministic-draft", "leviathan", "mtp"])
+@pytest.mark.parametrize("wrong", [accept_everything, skip_residual, without_noise, one_noise_per_row])
+@pytest.mark.parametrize("path", ["deterministic-draft", "sampled-model", "mtp"])
 def test_a_wrong_sampler_fails_the_same_check(target, drafts, exact, monkeypatch, wrong, path):
-    params = PARAMS[2]
+    params = replace(PARAMS[2], coupling="rejection" if wrong in (accept_everything, skip_residual) else "invariant")
     monkeypatch.setattr(generator_module, "verify_sampled", wrong)
     drafter = drafter_for(drafts, path, params)
     pairs, thirds, _ = sample_first_tokens(target, drafter, params, N, k=2, seed0=1000)
-    joint, third = exact[params]
+    joint, third = exact[PARAMS[2]]
     assert min(chi_square_pvalue(pairs, joint), chi_square_pvalue(thirds, third)) < P_MIN
 
 
@@ -298,20 +321,22 @@ def test_greedy_k_changes_nothing_under_sampling_with_a_plugged_in_drafter(targe
     assert np.array_equal(pairs, reference), "deterministic drafts must not change any completion"
 
 
-@pytest.mark.parametrize("name,min_prob", [("suffix", 0.02), ("suffix+leviathan", 0.3)])
-def test_job_wide_and_composed_drafters_sample_the_target_distribution(target, drafts, exact, name, min_prob):
+@pytest.mark.parametrize("coupling", COUPLINGS)
+@pytest.mark.parametrize("name,min_prob", [("suffix", 0.02), ("suffix+sampled-model", 0.3)])
+def test_job_wide_and_composed_drafters_sample_the_target_distribution(target, drafts, exact, name, min_prob, coupling):
     """The suffix drafter first indexes N earlier completions of the prompt (other seeds), then drafts
     their most frequent continuations: often right, often not. Composed with a sampling draft model
     (min_prob 0.3 leaves it about a third of the rows at the second step), the rows the index is unsure
-    of take the Leviathan rule and the others a one-hot q, in the same verify pass."""
-    params = PARAMS[0]
+    of take the Leviathan rule and the others a one-hot q, in the same verify pass (rejection coupling),
+    or every row races the shared noise (invariant coupling)."""
+    params = replace(PARAMS[0], coupling=coupling)
     suffix = SuffixDrafter(max_tokens=10 * N, min_prob=min_prob)
-    drafter = suffix if name == "suffix" else ComposedDrafter([suffix, drafter_for(drafts, "leviathan", params)])
+    drafter = suffix if name == "suffix" else ComposedDrafter([suffix, drafter_for(drafts, "sampled-model", params)])
     sample_first_tokens(target, suffix, params, N, k=0, seed0=1_000_000)  # the job so far
     pairs, thirds, stats = sample_first_tokens(target, drafter, params, N, k=2, seed0=1000)
     assert acceptance(stats) < 0.7
     assert stats.accepted_by_position[0] >= 0.1 * N and stats.accepted_by_position[1] >= 0.02 * N
-    joint, third = exact[params]
+    joint, third = exact[PARAMS[0]]
     assert chi_square_pvalue(pairs, joint) > P_MIN and chi_square_pvalue(thirds, third) > P_MIN
     if name == "suffix":
         reference, _, _ = sample_first_tokens(target, Cycle(), params, N, k=0, seed0=1000)

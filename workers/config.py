@@ -201,6 +201,11 @@ class SpeculationConfig(_Section):
     suffix_max_tokens: int = Field(32768, ge=0, description=(
         "tokens the suffix drafter keeps indexed per worker (prompts and completions, oldest finished rows "
         "evicted first); about 2 KiB of memory per token"))
+    sampling: Literal["invariant", "rejection"] = Field("invariant", description=(
+        "how sampled drafts are verified: `invariant` (target and draft share per-token noise, Gumbel-max: the "
+        "output depends on the target and the seed only, whatever the drafter) or `rejection` (Leviathan et al.: "
+        "accepts more of a draft model's tokens, but the output then depends on the draft model); either keeps "
+        "the target's distribution exactly"))
     learn: Literal["none", "mtp"] = Field("none", description=(
         "`mtp`: the job distils an MTP draft head from its own committed completions once "
         "`learn_after_rows` are written, saves it under OUTPUT/drafters/, and every worker then drafts with "

@@ -115,7 +115,7 @@ def make_controller(k: int | str, max_k: int, rows: int, costs: CostModel | None
 
 def sampling_params(config: JobConfig) -> SamplingParams:
     g = config.generation
-    return SamplingParams(g.temperature, g.top_k, g.top_p)
+    return SamplingParams(g.temperature, g.top_k, g.top_p, config.speculation.sampling)
 
 
 def make_generator(config: JobConfig, models: Models, drafter: Drafter | None = None) -> SpeculativeGenerator:

@@ -66,9 +66,10 @@ class ComposedDrafter(Drafter):
 
 
 def _probs(tokens: torch.Tensor, served: list[tuple[Proposal, torch.Tensor]]) -> torch.Tensor | None:
-    """Draft distributions when a sampling drafter served some row: its rows keep theirs, rows of
-    one-hot drafters get one-hot distributions (speculative sampling's rule for a deterministic draft;
-    exact in distribution, though such a row's sample then differs from the target's own)."""
+    """Draft distributions when a sampling drafter served some row (rejection coupling; invariant drafts carry
+    none): its rows keep theirs, rows of one-hot drafters get one-hot distributions (speculative sampling's
+    rule for a deterministic draft; exact in distribution, though such a row's sample then differs from the
+    target's own)."""
     sampled = [(p.probs, take) for p, take in served if p.probs is not None and bool(take.any())]
     if not sampled:
         return None

@@ -7,7 +7,7 @@ from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import Drafter, Proposal, Row
-from workers.engine.sampling import DRAFT_STREAM, SamplingParams, inverse_cdf, probabilities, uniforms
+from workers.engine.sampling import SamplingParams, draft_sample, probabilities
 
 
 class ModelDrafter(Drafter):
@@ -72,8 +72,9 @@ class ModelDrafter(Drafter):
                 p = logits.float().softmax(-1) if self.stop is not None else None
             else:
                 p = probabilities(logits, self.sampling)
-                token = inverse_cdf(p, uniforms(seeds, [s + j for s in starts], 1, stream=DRAFT_STREAM).squeeze(1))
-                probs.append(p)
+                token = draft_sample(p, self.sampling, seeds, [s + j for s in starts])
+                if not self.sampling.invariant:  # only the rejection rule reads q
+                    probs.append(p)
             if self.stop is not None:
                 q = p.gather(-1, token.view(-1, 1)).squeeze(1).cpu()
                 reach = self.stop.reach(reach, q)

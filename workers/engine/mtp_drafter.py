@@ -13,7 +13,7 @@ import torch
 from workers.engine.cached_lm import SlotRows
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import Drafter, Proposal, Row
-from workers.engine.sampling import DRAFT_STREAM, SamplingParams, inverse_cdf, probabilities, uniforms
+from workers.engine.sampling import SamplingParams, draft_sample, probabilities
 from workers.mtp_head import MTPHead
 
 
@@ -52,7 +52,9 @@ class MTPDrafter(Drafter):
         self.pending: list[list[torch.Tensor]] = []  # per slot: target states not yet in the head's cache
 
     def start(self, max_rows: int, capacity: int) -> None:
-        self.lm = CachedHead(self.head, max_rows, capacity)
+        # A catch-up pads every row to the longest pending run (a new row's whole prompt, under `capacity`), so
+        # a row near its end may write padding up to `capacity` entries past it: the head's cache has room.
+        self.lm = CachedHead(self.head, max_rows, 2 * capacity)
         self.pending = [[] for _ in range(max_rows)]
 
     def admit(self, rows: list[Row], start: int, hidden: torch.Tensor | None) -> None:
@@ -92,12 +94,15 @@ class MTPDrafter(Drafter):
         return out[torch.arange(len(rows), device=out.device), last], counts > 0
 
     def _choose(self, logits: torch.Tensor, rows: list[Row], j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The j-th draft token per row, and its full-vocabulary distribution q when sampling (0 outside V')."""
+        """The j-th draft token per row, and its full-vocabulary distribution q when the rejection rule needs it
+        (0 outside V'). The invariant race reads the noise by full-vocabulary id, as the target's does."""
         if self.sampling.greedy:
             return self.head.to_full_vocab(logits.argmax(-1)), None
         p = probabilities(logits, self.sampling)
-        u = uniforms([r.seed for r in rows], [r.generated + j for r in rows], 1, stream=DRAFT_STREAM).squeeze(1)
-        index = inverse_cdf(p, u)
+        index = draft_sample(p, self.sampling, [r.seed for r in rows], [r.generated + j for r in rows],
+                             self.head.vocab_ids)
+        if self.sampling.invariant:
+            return self.head.to_full_vocab(index), None
         if self.head.vocab_ids is None:
             return index, p
         q = torch.zeros(len(rows), self.vocab, dtype=p.dtype, device=p.device)
