@@ -30,7 +30,7 @@ from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import COPY_PRIOR, DEFAULT_PRIOR
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
-from workers.engine.offers import best_offers, pass_rates
+from workers.engine.offers import best_offers, could_beat, pass_rates
 from workers.engine.sampling import verify_greedy
 from workers.registry import load_models, make_generator
 
@@ -184,6 +184,25 @@ def test_best_offers_match_the_brute_force_optimum():
     assert min(ratios) > 1 - 1e-4 and np.mean(np.array(ratios) > 1 - 1e-9) >= 0.99, sorted(ratios)[:5]
 
 
+def test_could_beat_bounds_every_offer_and_rules_out_a_search_that_cannot_pay():
+    """`could_beat` lets the controller skip the search: it must say yes wherever some offers (all of them
+    rated here) beat the rate, and say no where no column could pay (every column costs more than every
+    row's gain at it)."""
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        n, width = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        gain, reach, base, column = random_case(rng, n, width)
+        weight = rng.uniform(0.1, 1.0, n) if rng.random() < 0.3 else None
+        best = max(pass_rates(np.array(o), gain, reach, base, column, weight)
+                   for o in itertools.product(range(width + 1), repeat=n))
+        assert could_beat(gain, reach, base, column, best * (1 - 1e-9), weight)
+    reach = np.cumprod(np.full((16, MAX_K), 0.8), 1)
+    gain = reach * np.cumprod(np.full((16, MAX_K), 0.5), 1)
+    plain = pass_rates(np.zeros(16, dtype=int), gain, reach, 1.0, np.full(MAX_K, 0.9))   # 16 tokens per second
+    assert not could_beat(gain, reach, 1.0, np.full(MAX_K, 0.9), plain * 1.02)
+    assert could_beat(gain, reach, 1.0, np.full(MAX_K, 0.1), plain * 1.02)
+
+
 def test_offers_are_one_k_when_every_draft_reaches_its_offer():
     """A draft model always drafts what it is offered: the pass costs the longest offer, so the best plan is
     one k for the batch, the argmax of the formula (computed independently by true_rates)."""
@@ -218,8 +237,8 @@ class SyntheticCosts:
     def __init__(self, verify, draft):
         self._verify, self._draft, self.observed = verify, draft, 0
 
-    def verify(self, n: int, width: int) -> float:
-        return self._verify(n, width)
+    def verify(self, n: int, width: np.ndarray) -> np.ndarray:
+        return np.array([self._verify(n, w) for w in width])
 
     def draft(self, n: int, k: int) -> float:
         return self._draft(n, k)
