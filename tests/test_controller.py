@@ -128,6 +128,30 @@ def test_generator_tokens_per_pass_with_synthetic_drafter_match_leviathan(long_r
             assert abs(stats.accept_by_position[position] - alpha) < 4.5 * sd, position
 
 
+def test_a_trace_records_each_step_as_it_ran(long_run):
+    """generate(trace=True): one StepRecord per target pass, as verified, adding up to every generated token; a
+    step in which no row drafted shows no drafts, though the controller was shown the free guesses."""
+    target, prompts, references = long_run
+    seen = []
+
+    class Watching(AdaptiveK):
+        def observe(self, step: StepRecord) -> None:
+            seen.append(step)
+            super().observe(step)
+
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), StubTokenizer(), OracleDrafter(references, 0.0, VOCAB),
+                                     Watching(8, ROWS), GenerationSettings(max_new_tokens=LONG, batch_size=ROWS, max_k=8))
+    requests = [Request(str(i), p, i) for i, p in enumerate(prompts)]
+    result = generator.generate(requests, trace=True)
+    steps = result.steps
+    assert len(steps) == len(seen) == result.stats.target_passes
+    assert sum(int(s.accepted.sum()) + len(s.accepted) for s in steps) == result.stats.generated_tokens
+    assert all(s.width == 1 + int(s.drafted.max()) and s.verify_s > 0 for s in steps)
+    plain = [(s, o) for s, o in zip(steps, seen) if not s.offered.any()]
+    assert all(not s.drafted.any() for s, _ in plain) and sum(o.offered.any() for _, o in plain) > len(plain) / 2
+    assert generator.generate(requests).steps is None
+
+
 # ------------------------------------------------------------------ per-row offers: the same cost model, brute force
 
 def length_distribution(reach_row: np.ndarray, offer: int) -> list[float]:

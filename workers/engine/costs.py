@@ -10,6 +10,7 @@ peak / bandwidth x bytes per parameter / 2 (about a hundred tokens on an H100).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,14 +67,17 @@ class CostModel:
     row counts not measured yet. Until passes of more than one width have been measured, a further column
     is taken to cost `column_share` of a width-1 pass: optimistic (a pass that reads the weights once costs
     little more per column), so a controller whose rows would gain tries a wider pass and measures the truth,
-    instead of never leaving k = 0 on a guess. Draft time per drafted column is a running mean. A test may
-    inject any object with the same observe / verify / draft methods (verify taking an array of widths).
+    instead of never leaving k = 0 on a guess. Draft time per drafted column is a running mean. A cell's mean
+    weighs its last `memory` passes or so (older ones fade, so a controller follows the machine's load; the
+    bench's trace oracle keeps every pass: None). A test may inject any object with the same observe / verify
+    / draft methods (verify taking an array of widths).
 
     The controller prices every width each step, so `verify` takes all widths at once, and the fit is
     redone only when a price needs it (a row count or width not measured yet), not on every pass."""
 
-    def __init__(self, column_share: float = 0.1):
+    def __init__(self, column_share: float = 0.1, memory: int | None = 20):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
+        self.memory = math.inf if memory is None else memory
         self.widths: dict[int, list[int]] = {}    # the widths measured at each row count, ascending
         self.column_share = column_share
         self.draft_per_column = 0.0
@@ -83,7 +87,7 @@ class CostModel:
         mean, count = self.cells.get((n, width), (0.0, 0))
         if not count:
             bisect.insort(self.widths.setdefault(n, []), width)
-        weight = 1.0 / min(count + 1, 20)  # a running mean that keeps adapting to the machine
+        weight = 1.0 / min(count + 1, self.memory)
         self.cells[(n, width)] = (mean + weight * (verify_s - mean), count + 1)
         if columns:
             self.draft_per_column += 0.1 * (draft_s / columns - self.draft_per_column)
@@ -91,12 +95,12 @@ class CostModel:
 
     @property
     def coef(self) -> np.ndarray:
-        """(a, b, c) of t = a + b*n + c*n*w, weighted least squares over the cells (each worth its count, up to 20)."""
+        """(a, b, c) of t = a + b*n + c*n*w, weighted least squares over the cells (each worth its count, up to `memory`)."""
         if not self._fitted:
             keys = list(self.cells)
             x = np.array([[1.0, n, n * w] for n, w in keys])
             y = np.array([self.cells[key][0] for key in keys])
-            sw = np.sqrt([min(self.cells[key][1], 20) for key in keys])
+            sw = np.sqrt([min(self.cells[key][1], self.memory) for key in keys])
             coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
             self._coef, self._fitted = np.maximum(coef, [1e-6, 0.0, 1e-9]), True
         return self._coef
