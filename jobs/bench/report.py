@@ -141,13 +141,13 @@ def _controller_lines(gen: list[dict], cfg: BenchConfig) -> list[str]:
                         f"{num(adaptive.get('controller_ms_per_step'), 3)} |")
     if not rows:
         return []
-    return ["Controller (issue 23): adaptive over the best fixed k of its drafter (k=0 included), measured tok/s "
-            "(`?`: the range over the repeats holds 1.0); and each over the trace oracle: a run's own steps in tokens "
-            "per second of the cost model fitted on the cell's traces (verify seconds by rows × width, draft seconds "
-            "per column), over the best width per step in hindsight on the widest fixed k's steps "
-            "(jobs/bench/oracle.py).", "",
-            "| workload | batch | drafter | best fixed | adaptive ÷ best fixed | adaptive ÷ oracle | best fixed ÷ oracle "
-            "| adaptive ctrl ms/step |",
+    return [("Controller (issue 23): adaptive over the best fixed k of its drafter (k=0 included), measured tok/s "
+             "(`?`: the range over the repeats holds 1.0); and each over the trace oracle: a run's own steps in tokens "
+             "per second of the cost model fitted on the cell's traces (verify seconds by rows × width, draft seconds "
+             "per column), over the best width per step in hindsight on the widest fixed k's steps "
+             "(jobs/bench/oracle.py)."), "",
+            ("| workload | batch | drafter | best fixed | adaptive ÷ best fixed | adaptive ÷ oracle | best fixed ÷ oracle "
+             "| adaptive ctrl ms/step |"),
             "|---|---:|---|---|---:|---:|---:|---:|"] + rows
 
 

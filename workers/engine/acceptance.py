@@ -84,10 +84,6 @@ class Estimates:
         """(scales, n, 2, max_k): each scale's estimates, in the order of `decays`."""
         return self.levels(n, prior)[: -len(self.decays) - 1 : -1].transpose(0, 2, 3, 1)
 
-    def pooled(self, prior: np.ndarray) -> np.ndarray:
-        """(2, max_k): the pooled level's estimates."""
-        return self.levels(1, prior)[0, :, 0].T
-
     def mixed(self, n: int, prior: np.ndarray) -> np.ndarray:
         """(n, 2, max_k): the scales' estimates mixed by their weights."""
         return np.einsum("sn...,ns->n...", self.scales(n, prior), self.weight[:n])
