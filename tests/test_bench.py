@@ -213,7 +213,7 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
     out = tmp_path / "out"
     results = benchmark(cfg, out, "specbatch bench --config tiny.yaml", log=lambda message: None)
 
-    for name in ("results.parquet", "results.md", "plot.png"):
+    for name in ("results.parquet", "traces.parquet", "results.md", "plot.png"):
         assert (out / name).stat().st_size > 0, name
     rows = pq.read_table(out / "results.parquet").to_pylist()
     assert len(rows) == len(results) and list(rows[0]) == COLUMNS
@@ -244,6 +244,10 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
     # the oracle is computed on the widest fixed k's steps (k=2 here): that run's own steps never beat it
     assert all(r["modelled_tokens_per_s"] <= r["oracle_tokens_per_s"] * (1 + 1e-9) for r in fixed2)
     assert all((r["oracle_tokens_per_s"] is None) == (r["k"] == 0) for r in mine)
+    steps = pq.read_table(out / "traces.parquet").to_pylist()
+    for r in mine:   # the median run's every step: one target pass each
+        cell = [s for s in steps if (s["workload"], s["batch_size"], s["system"]) == (r["workload"], r["batch_size"], r["system"])]
+        assert len(cell) == r["target_passes"] and all(s["width"] == 1 + max(s["drafted"]) for s in cell)
 
     passes = json.loads(pq.read_schema(out / "results.parquet").metadata[b"specbatch_bench"])["passes"]
     assert [(p["batch_size"], p["width"]) for p in passes] == [(1, 1), (1, 3), (2, 1), (2, 3)]

@@ -1,5 +1,5 @@
 """The bench's outputs: results.parquet (one row per cell and system, the run's metadata in the schema),
-results.md (the tables, printed too) and plot.png."""
+traces.parquet (every step of our systems' median runs), results.md (the tables, printed too) and plot.png."""
 from __future__ import annotations
 
 import datetime
@@ -253,12 +253,21 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
     return "\n".join(lines) + "\n"
 
 
+def trace_rows(results: list[dict]) -> list[dict]:
+    """One row per step of each of our systems' median run in each cell: what the oracle was computed from."""
+    return [{"workload": r["workload"], "batch_size": r["batch_size"], "system": r["system"], "step": i,
+             "offered": s.offered.tolist(), "drafted": s.drafted.tolist(), "accepted": s.accepted.tolist(),
+             "width": s.width, "draft_s": s.draft_s, "verify_s": s.verify_s}
+            for r in results if r.get("trace") for i, s in enumerate(r["trace"])]
+
+
 def write_outputs(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float, out: Path) -> str:
-    """results.parquet, results.md and plot.png in `out`; returns the Markdown."""
+    """results.parquet, traces.parquet, results.md and plot.png in `out`; returns the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in results], schema=SCHEMA)
     meta_json = json.dumps({**meta, "took_s": round(took_s, 1)})
     pq.write_table(table.replace_schema_metadata({"specbatch_bench": meta_json}), out / "results.parquet")
+    pq.write_table(pa.Table.from_pylist(trace_rows(results)), out / "traces.parquet")
     text = markdown(results, meta, cfg, took_s)
     (out / "results.md").write_text(text)
     plot(results, cfg, out / "plot.png")
