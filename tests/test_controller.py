@@ -559,6 +559,43 @@ def test_default_cost_model_learns_synthetic_times():
 
 
 
+def lifted(hits: np.ndarray, tries: np.ndarray, first: float, chain: float, prior: np.ndarray) -> np.ndarray:
+    """One level's estimates (n, 2, K) under a prior per position (n, 2, K), with plain loops in log-odds: position
+    j's prior is the prior's at j lifted by as much as the estimate beat the prior at j - 1 (probabilities
+    clipped to [0.001, 0.999] before a logit)."""
+    def logit(p):
+        p = min(max(p, 1e-3), 1 - 1e-3)
+        return np.log(p / (1 - p))
+
+    out = np.empty_like(hits)
+    for r, e in itertools.product(range(hits.shape[0]), range(2)):
+        lift = 0.0
+        for j in range(hits.shape[2]):
+            before = 1 / (1 + np.exp(-(logit(prior[r, e, j]) + lift)))
+            m = first if j == 0 else chain
+            out[r, e, j] = (hits[r, e, j] + m * before) / (tries[r, e, j] + m)
+            lift = logit(out[r, e, j]) - logit(prior[r, e, j])
+    return out
+
+
+def test_levels_chain_the_worker_the_slow_and_the_fast_scale():
+    """The worker's pooled level under the drafter's prior, the slow scale under the worker's, the fast under the
+    slow one's: the one loop over anti-diagonals gives what the definition gives level by level."""
+    rng = np.random.default_rng(6)
+    n, prior = 3, np.array([[0.6] + [0.95] * (MAX_K - 1), [0.35] + [0.8] * (MAX_K - 1)])
+    est = Estimates(n, MAX_K, (0.7, 0.98), (0.5, 2.0), 4.0, pooled=(0.99, 2.0))
+    for _ in range(25):
+        offered = rng.integers(0, MAX_K + 1, n)
+        drafted = np.minimum(offered, rng.integers(0, MAX_K + 1, n))
+        est.observe(*trials(offered, drafted, np.minimum(drafted, rng.integers(0, MAX_K + 1, n)), MAX_K), prior)
+    pooled = lifted(np.repeat(est.pooled_hits[0], n, 0), np.repeat(est.pooled_tries[0], n, 0), 2.0, 4.0,
+                    np.broadcast_to(prior, (n, 2, MAX_K)))
+    slow = lifted(est.hits[1, :n], est.tries[1, :n], 2.0, 4.0, pooled)
+    fast = lifted(est.hits[0, :n], est.tries[0, :n], 0.5, 4.0, slow)
+    np.testing.assert_allclose(est.levels(n, prior).transpose(0, 2, 3, 1), np.stack([pooled, slow, fast]), rtol=1e-9)
+    np.testing.assert_allclose(est.scales(n, prior), np.stack([fast, slow]), rtol=1e-9)
+
+
 def test_one_prior_for_every_position_chains_each_position_from_the_one_before():
     """With a single prior, the slow scale's prior at position j is its own estimate at j - 1 (the chain)."""
     rng = np.random.default_rng(3)
