@@ -75,7 +75,8 @@ def build_report(store: Store, stats: list[ShardStats] | None = None) -> str:
 
 
 def generating_s(s: ShardStats) -> float:
-    """The generator's time on a shard (prefill, draft, verify, the controller and the rest), without reading and writing."""
+    """The generator's time on a shard (prefill, draft, verify, the controller and the rest), without reading and
+    writing."""
     return s.prefill_s + s.verify_s + s.draft_s + s.controller_s + s.other_s
 
 

@@ -246,7 +246,8 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
     assert all((r["oracle_tokens_per_s"] is None) == (r["k"] == 0) for r in mine)
     steps = pq.read_table(out / "traces.parquet").to_pylist()
     for r in mine:   # the median run's every step: one target pass each
-        cell = [s for s in steps if (s["workload"], s["batch_size"], s["system"]) == (r["workload"], r["batch_size"], r["system"])]
+        key = (r["workload"], r["batch_size"], r["system"])
+        cell = [s for s in steps if (s["workload"], s["batch_size"], s["system"]) == key]
         assert len(cell) == r["target_passes"] and all(s["width"] == 1 + max(s["drafted"]) for s in cell)
 
     passes = json.loads(pq.read_schema(out / "results.parquet").metadata[b"specbatch_bench"])["passes"]

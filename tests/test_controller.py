@@ -139,8 +139,9 @@ def test_a_trace_records_each_step_as_it_ran(long_run):
             seen.append(step)
             super().observe(step)
 
-    generator = SpeculativeGenerator(DecodingModel.prepare(target), StubTokenizer(), OracleDrafter(references, 0.0, VOCAB),
-                                     Watching(8, ROWS), GenerationSettings(max_new_tokens=LONG, batch_size=ROWS, max_k=8))
+    never = OracleDrafter(references, 0.0, VOCAB)
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), StubTokenizer(), never, Watching(8, ROWS),
+                                     GenerationSettings(max_new_tokens=LONG, batch_size=ROWS, max_k=8))
     requests = [Request(str(i), p, i) for i, p in enumerate(prompts)]
     result = generator.generate(requests, trace=True)
     steps = result.steps

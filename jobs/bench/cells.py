@@ -72,7 +72,8 @@ def summarize_cell(system: System, runs: list[Run], peaks: list[tuple[float, flo
         "tokens_per_pass": run.generated / run.target_passes if run.target_passes else None,
         "tokens_per_row_pass": run.generated / run.row_passes if run.row_passes else None,
         "accept_by_position": run.accept_by_position, "k_hist": run.k_hist,
-        "controller_ms_per_step": None if run.controller_s is None else 1e3 * run.controller_s / max(run.target_passes, 1),
+        "controller_ms_per_step": None if run.controller_s is None
+        else 1e3 * run.controller_s / max(run.target_passes, 1),
         "trace": run.steps,   # not a results.parquet column: traces.parquet (report.write_outputs)
         **floor.per_pass(run.target_passes, run.kv_reads, run.wall_s),
         "peak_mem_mb": max(p for p, _ in peaks), "peak_delta_mb": max(d for _, d in peaks),

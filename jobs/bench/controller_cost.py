@@ -47,7 +47,8 @@ def ms_per_step(batch: int, steps: int = 300, blocks: int = 7, max_k: int = 8, s
             offered = controller.choose(batch)
             controller.draft_stop()
             chosen = time.thread_time()
-            step = _record(rng, offered if offered.any() else np.ones(batch, dtype=int), copying, max_k)  # a free shadow guess
+            tried = offered if offered.any() else np.ones(batch, dtype=int)   # the free shadow guesses
+            step = _record(rng, tried, copying, max_k)
             observing = time.thread_time()
             controller.observe(step)
             spent += chosen - started + time.thread_time() - observing
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="steps per block (7 blocks per batch size)")
     args = parser.parse_args(argv)
-    print(f"load average {os.getloadavg()[0]:.2f}; AdaptiveK, max_k 8; CPU ms per step, best of 7 blocks of {args.steps}")
+    print(f"load average {os.getloadavg()[0]:.2f}; AdaptiveK, max_k 8; CPU ms per step, "
+          f"best of 7 blocks of {args.steps} steps")
     for batch in (1, 4, 16):
         print(f"batch {batch:>2}: {ms_per_step(batch, args.steps):.3f} ms per step")
 

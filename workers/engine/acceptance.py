@@ -46,7 +46,8 @@ class Estimates:
         self.pooled_decay = None if pooled is None else pooled[0]
         self.pooled_hits = np.zeros((1, 1, 2, max_k))
         self.pooled_tries = np.zeros_like(self.pooled_hits)
-        # (levels, max_k, 1, 1), most general first: the tries a position's prior is worth (position 1's own, then the chain's)
+        # (levels, max_k, 1, 1), most general first: the tries a position's prior is worth (position 1's own,
+        # then the chain's)
         first = ([] if pooled is None else [pooled[1]]) + list(prior_tries)[::-1]
         self.worth = np.full((len(first), max_k, 1, 1), float(chain_tries))
         self.worth[:, 0, 0, 0] = first

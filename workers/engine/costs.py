@@ -95,7 +95,8 @@ class CostModel:
 
     @property
     def coef(self) -> np.ndarray:
-        """(a, b, c) of t = a + b*n + c*n*w, weighted least squares over the cells (each worth its count, up to `memory`)."""
+        """(a, b, c) of t = a + b*n + c*n*w: weighted least squares over the cells (each worth its count, up to
+        `memory`)."""
         if not self._fitted:
             keys = list(self.cells)
             x = np.array([[1.0, n, n * w] for n, w in keys])
@@ -114,14 +115,17 @@ class CostModel:
         measured = self.widths.get(n)
         if not measured:
             a, b, c = self.coef
-            t = a + b * n + c * n * w if self._widths_measured() else (a + b * n + c * n) * (1.0 + self.column_share * (w - 1))
+            if self._widths_measured():
+                t = a + b * n + c * n * w
+            else:
+                t = (a + b * n + c * n) * (1.0 + self.column_share * (w - 1))
             return float(t) if t.ndim == 0 else t
         widths = np.array(measured, float)
         times = np.array([self.cells[(n, m)][0] for m in measured])
         if len(measured) == 1:
             low = high = self.coef[2] * n if self._widths_measured() else self.column_share * times[0] / widths[0]
         else:
-            low, high = (max(0.0, float((times[b] - times[a]) / (widths[b] - widths[a]))) for a, b in ((0, 1), (-2, -1)))
+            low, high = (max(0.0, float((times[j] - times[i]) / (widths[j] - widths[i]))) for i, j in ((0, 1), (-2, -1)))
         t = np.interp(w, widths, times)
         t = np.where(w > widths[-1], np.maximum(1e-9, times[-1] + high * (w - widths[-1])), t)
         t = np.where(w < widths[0], np.maximum(1e-9, times[0] + low * (w - widths[0])), t)

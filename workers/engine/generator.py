@@ -184,7 +184,8 @@ class SpeculativeGenerator:
         drains the controller also sees those budgets (the batch ends with its slowest row)."""
         budgets = np.array([self.settings.max_new_tokens - r.generated - 1 for r in rows]).clip(min=0)
         started = time.perf_counter()
-        chosen, stop = self.controller.choose(len(rows), budgets + 1 if draining else None), self.controller.draft_stop()
+        chosen = self.controller.choose(len(rows), budgets + 1 if draining else None)
+        stop = self.controller.draft_stop()
         stats.controller_s += time.perf_counter() - started
         return _Plan(np.minimum(chosen, budgets).tolist(), stop, np.minimum(budgets, 1).tolist())
 
