@@ -262,7 +262,7 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
     assert "specbatch bench --config tiny.yaml" in text and "report half" in text and "% floor" in text
     assert "| prefill tok/s | transformers prefill tok/s |" in text
     assert "Goals (issues 12 and 13)" in text and "| rewriting | 1 | specbatch k=0 |" in text
-    assert "| ctrl ms/step |" in text and "| adaptive ÷ best fixed | adaptive ÷ oracle |" in text
+    assert "| controller ms/step |" in text and "| adaptive ÷ best fixed | adaptive ÷ oracle |" in text
     assert text in capsys.readouterr().out   # the table is printed too
 
 

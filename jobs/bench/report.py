@@ -147,7 +147,7 @@ def _controller_lines(gen: list[dict], cfg: BenchConfig) -> list[str]:
              "per column), over the best width per step in hindsight on the widest fixed k's steps "
              "(jobs/bench/oracle.py)."), "",
             ("| workload | batch | drafter | best fixed | adaptive ÷ best fixed | adaptive ÷ oracle | best fixed ÷ oracle "
-             "| adaptive ctrl ms/step |"),
+             "| adaptive controller ms/step |"),
             "|---|---:|---|---|---:|---:|---:|---:|"] + rows
 
 
@@ -201,7 +201,7 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
           "repeat(s), interleaved across systems (min–max; spread = (max − min) / median); × is over transformers "
           "`generate` at the same batch size and workload (`?`: its range over the repeats holds 1.0); "
           "tok/row-pass = generated / (rows summed over target passes); α = acceptance by draft position; "
-          "ctrl ms/step = time in the adaptive or fixed controller per target pass; "
+          "controller ms/step = time in the adaptive or fixed controller per target pass; "
           "exact = every row with a reference equals transformers' greedy output at batch 1, and every row of "
           "ours equals our k=0 output.",
         (f"Roofline: memory bandwidth {num(meta['bandwidth_gb_s'])} GB/s (best large tensor copy, read + write); "
@@ -212,7 +212,7 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
         "working set over what was in use when it started.",
         "",
         "| workload | batch | system | tok/s (min–max) | spread | × |" + (" × best peer |" if with_peers else "")
-        + " tok/row-pass | α1..α4 | mean k | ctrl ms/step | MB/pass | ms/pass | floor ms | % floor | peak MB (+cell) | exact |",
+        + " tok/row-pass | α1..α4 | mean k | controller ms/step | MB/pass | ms/pass | floor ms | % floor | peak MB (+cell) | exact |",
         "|---|---:|---|---|---:|---:|" + ("---|" if with_peers else "") + "---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in gen:
