@@ -89,7 +89,8 @@ def run_pilot(runner: ShardRunner, rows: list[InputRow]) -> Pilot:
             index += 1
     return Pilot([len(c.token_ids) for c in result.completions], stats.prompt_tokens / max(len(requests), 1),
                  stats.generated_tokens / max(stats.row_passes, 1),
-                 stats.accept_by_position, (stats.draft_s + stats.other_s) / max(stats.row_passes, 1),
+                 stats.accept_by_position,
+                 (stats.draft_s + stats.controller_s + stats.other_s) / max(stats.row_passes, 1),
                  stats.prompt_tokens / max(stats.prefill_s, 1e-9), time.perf_counter() - started, dict(groups))
 
 

@@ -75,8 +75,9 @@ def build_report(store: Store, stats: list[ShardStats] | None = None) -> str:
 
 
 def generating_s(s: ShardStats) -> float:
-    """The generator's time on a shard (prefill, draft, verify and the rest), without reading and writing."""
-    return s.prefill_s + s.verify_s + s.draft_s + s.other_s
+    """The generator's time on a shard (prefill, draft, verify, the controller and the rest), without reading and
+    writing."""
+    return s.prefill_s + s.verify_s + s.draft_s + s.controller_s + s.other_s
 
 
 def _when(epoch: float | None) -> str:

@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -21,12 +22,14 @@ from jobs.bench import benchmark, run_bench
 from jobs.bench.cells import schedule
 from jobs.bench.config import BenchError, load_bench_config, resolve_device
 from jobs.bench.goals import goal_rows
+from jobs.bench.oracle import fit_costs, oracle_rate, run_rate
 from jobs.bench.report import COLUMNS
 from jobs.bench.roofline import Floor, kv_bytes_per_token, measure_bandwidth, weight_bytes
 from jobs.bench.spread import INCONCLUSIVE, MET, NOT_MET, ratio_range, verdict
 from jobs.bench.systems import bench_systems
 from jobs.bench.workloads import MIX, build_workloads, cell_rows, skipped_cells
 from jobs.suite import load_suite
+from workers.engine.controller import StepRecord
 from workers.registry import encode_prompt
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -161,6 +164,30 @@ def test_spread_decides_verdicts():
     assert noisy["rewriting b=1: ngram adaptive / transformers prompt lookup"].verdict is None   # did not run
 
 
+def traced(drafted: list[int], accepted: list[int]) -> StepRecord:
+    """A step of rows offered 4 each, priced as the test's machine does: verify 1 + 0.1 per further column at
+    2 rows, 0.5 + 0.3 per column at 1 row, and drafting 0.1 s a column."""
+    n, width = len(drafted), 1 + max(drafted)
+    verify = (1.0 + 0.1 * (width - 1)) if n == 2 else (0.5 + 0.3 * (width - 1))
+    return StepRecord(np.full(n, 4), np.array(drafted), np.array(accepted), width, 0.1 * (width - 1), verify)
+
+
+def test_the_trace_oracle_picks_each_steps_width_for_the_best_rate_of_the_whole_trace():
+    """A hand-made trace with a known optimum (seconds per width: 1 + 0.2 per column at 2 rows, 0.5 + 0.4 at 1):
+    step 1 accepts 4 in one row, 0 in the other (width 5: 6 tokens in 1.8 s); step 2 one draft accepted (width
+    2: 3 tokens in 1.2 s); step 3 only rejected drafts (width 1: 2 tokens in 1 s); step 4, one row whose one
+    accepted draft adds a token for 0.4 s, which raises that step's own rate (2/0.9 over 1/0.5) but not the
+    trace's (12/4.5 over 13/4.9): the oracle leaves it at width 1."""
+    calibration = [traced([w - 1] * n, [0] * n) for n in (1, 2) for w in range(1, 6)]   # every width measured
+    reference = [traced([4, 4], [4, 0]), traced([0, 1], [0, 1]), traced([2, 0], [0, 0]), traced([1], [1])]
+    costs = fit_costs([calibration, reference])
+    assert costs.draft_per_column == pytest.approx(0.1)
+    assert oracle_rate(reference, costs, max_k=4) == pytest.approx(12 / 4.5)
+    assert run_rate(reference, costs) == pytest.approx(13 / (1.8 + 1.2 + 1.4 + 0.9))
+    assert oracle_rate(reference[:1], costs, max_k=2) == pytest.approx(4 / 1.4)   # widths above 3 are not candidates
+    assert oracle_rate([], costs, max_k=4) == 0.0
+
+
 def test_roofline_arithmetic_on_a_tiny_model():
     untied = tiny_llama(320, layers=2, hidden=64, dtype=torch.float32)
     params = sum(p.numel() * 4 for p in untied.parameters())
@@ -186,7 +213,7 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
     out = tmp_path / "out"
     results = benchmark(cfg, out, "specbatch bench --config tiny.yaml", log=lambda message: None)
 
-    for name in ("results.parquet", "results.md", "plot.png"):
+    for name in ("results.parquet", "traces.parquet", "results.md", "plot.png"):
         assert (out / name).stat().st_size > 0, name
     rows = pq.read_table(out / "results.parquet").to_pylist()
     assert len(rows) == len(results) and list(rows[0]) == COLUMNS
@@ -212,6 +239,16 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
         assert r["ms_per_pass"] == pytest.approx(1e3 * r["wall_s"] / r["target_passes"])
     fixed2 = [r for r in mine if r["k"] == 2]
     assert all(len(r["accept_by_position"]) == 2 and sum(r["k_hist"]) == r["target_passes"] for r in fixed2)
+    assert all(r["controller_ms_per_step"] > 0 and r["modelled_tokens_per_s"] > 0 for r in mine)
+    assert all(r["controller_ms_per_step"] is None for r in rows if r["family"] != "specbatch")
+    # the oracle is computed on the widest fixed k's steps (k=2 here): that run's own steps never beat it
+    assert all(r["modelled_tokens_per_s"] <= r["oracle_tokens_per_s"] * (1 + 1e-9) for r in fixed2)
+    assert all((r["oracle_tokens_per_s"] is None) == (r["k"] == 0) for r in mine)
+    steps = pq.read_table(out / "traces.parquet").to_pylist()
+    for r in mine:   # the median run's every step: one target pass each
+        key = (r["workload"], r["batch_size"], r["system"])
+        cell = [s for s in steps if (s["workload"], s["batch_size"], s["system"]) == key]
+        assert len(cell) == r["target_passes"] and all(s["width"] == 1 + max(s["drafted"]) for s in cell)
 
     passes = json.loads(pq.read_schema(out / "results.parquet").metadata[b"specbatch_bench"])["passes"]
     assert [(p["batch_size"], p["width"]) for p in passes] == [(1, 1), (1, 3), (2, 1), (2, 3)]
@@ -225,6 +262,7 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
     assert "specbatch bench --config tiny.yaml" in text and "report half" in text and "% floor" in text
     assert "| prefill tok/s | transformers prefill tok/s |" in text
     assert "Goals (issues 12 and 13)" in text and "| rewriting | 1 | specbatch k=0 |" in text
+    assert "| controller ms/step |" in text and "| adaptive ÷ best fixed | adaptive ÷ oracle |" in text
     assert text in capsys.readouterr().out   # the table is printed too
 
 

@@ -30,7 +30,7 @@ from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import COPY_PRIOR, DEFAULT_PRIOR
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
-from workers.engine.offers import best_offers, pass_rates
+from workers.engine.offers import best_offers, could_beat, pass_rates
 from workers.engine.sampling import verify_greedy
 from workers.registry import load_models, make_generator
 
@@ -128,6 +128,31 @@ def test_generator_tokens_per_pass_with_synthetic_drafter_match_leviathan(long_r
             assert abs(stats.accept_by_position[position] - alpha) < 4.5 * sd, position
 
 
+def test_a_trace_records_each_step_as_it_ran(long_run):
+    """generate(trace=True): one StepRecord per target pass, as verified, adding up to every generated token; a
+    step in which no row drafted shows no drafts, though the controller was shown the free guesses."""
+    target, prompts, references = long_run
+    seen = []
+
+    class Watching(AdaptiveK):
+        def observe(self, step: StepRecord) -> None:
+            seen.append(step)
+            super().observe(step)
+
+    never = OracleDrafter(references, 0.0, VOCAB)
+    generator = SpeculativeGenerator(DecodingModel.prepare(target), StubTokenizer(), never, Watching(8, ROWS),
+                                     GenerationSettings(max_new_tokens=LONG, batch_size=ROWS, max_k=8))
+    requests = [Request(str(i), p, i) for i, p in enumerate(prompts)]
+    result = generator.generate(requests, trace=True)
+    steps = result.steps
+    assert len(steps) == len(seen) == result.stats.target_passes
+    assert sum(int(s.accepted.sum()) + len(s.accepted) for s in steps) == result.stats.generated_tokens
+    assert all(s.width == 1 + int(s.drafted.max()) and s.verify_s > 0 for s in steps)
+    plain = [(s, o) for s, o in zip(steps, seen) if not s.offered.any()]
+    assert all(not s.drafted.any() for s, _ in plain) and sum(o.offered.any() for _, o in plain) > len(plain) / 2
+    assert generator.generate(requests).steps is None
+
+
 # ------------------------------------------------------------------ per-row offers: the same cost model, brute force
 
 def length_distribution(reach_row: np.ndarray, offer: int) -> list[float]:
@@ -184,6 +209,25 @@ def test_best_offers_match_the_brute_force_optimum():
     assert min(ratios) > 1 - 1e-4 and np.mean(np.array(ratios) > 1 - 1e-9) >= 0.99, sorted(ratios)[:5]
 
 
+def test_could_beat_bounds_every_offer_and_rules_out_a_search_that_cannot_pay():
+    """`could_beat` lets the controller skip the search: it must say yes wherever some offers (all of them
+    rated here) beat the rate, and say no where no column could pay (every column costs more than every
+    row's gain at it)."""
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        n, width = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        gain, reach, base, column = random_case(rng, n, width)
+        weight = rng.uniform(0.1, 1.0, n) if rng.random() < 0.3 else None
+        best = max(pass_rates(np.array(o), gain, reach, base, column, weight)
+                   for o in itertools.product(range(width + 1), repeat=n))
+        assert could_beat(gain, reach, base, column, best * (1 - 1e-9), weight)
+    reach = np.cumprod(np.full((16, MAX_K), 0.8), 1)
+    gain = reach * np.cumprod(np.full((16, MAX_K), 0.5), 1)
+    plain = pass_rates(np.zeros(16, dtype=int), gain, reach, 1.0, np.full(MAX_K, 0.9))   # 16 tokens per second
+    assert not could_beat(gain, reach, 1.0, np.full(MAX_K, 0.9), plain * 1.02)
+    assert could_beat(gain, reach, 1.0, np.full(MAX_K, 0.1), plain * 1.02)
+
+
 def test_offers_are_one_k_when_every_draft_reaches_its_offer():
     """A draft model always drafts what it is offered: the pass costs the longest offer, so the best plan is
     one k for the batch, the argmax of the formula (computed independently by true_rates)."""
@@ -218,8 +262,8 @@ class SyntheticCosts:
     def __init__(self, verify, draft):
         self._verify, self._draft, self.observed = verify, draft, 0
 
-    def verify(self, n: int, width: int) -> float:
-        return self._verify(n, width)
+    def verify(self, n: int, width: np.ndarray) -> np.ndarray:
+        return np.array([self._verify(n, w) for w in width])
 
     def draft(self, n: int, k: int) -> float:
         return self._draft(n, k)
@@ -514,6 +558,43 @@ def test_default_cost_model_learns_synthetic_times():
     assert costs.draft(N, 3) == pytest.approx(draft(N, 3), rel=0.02)
     assert {int(k) for h in trace.held[-200:] for k in h} == {best}
 
+
+
+def lifted(hits: np.ndarray, tries: np.ndarray, first: float, chain: float, prior: np.ndarray) -> np.ndarray:
+    """One level's estimates (n, 2, K) under a prior per position (n, 2, K), with plain loops in log-odds: position
+    j's prior is the prior's at j lifted by as much as the estimate beat the prior at j - 1 (probabilities
+    clipped to [0.001, 0.999] before a logit)."""
+    def logit(p):
+        p = min(max(p, 1e-3), 1 - 1e-3)
+        return np.log(p / (1 - p))
+
+    out = np.empty_like(hits)
+    for r, e in itertools.product(range(hits.shape[0]), range(2)):
+        lift = 0.0
+        for j in range(hits.shape[2]):
+            before = 1 / (1 + np.exp(-(logit(prior[r, e, j]) + lift)))
+            m = first if j == 0 else chain
+            out[r, e, j] = (hits[r, e, j] + m * before) / (tries[r, e, j] + m)
+            lift = logit(out[r, e, j]) - logit(prior[r, e, j])
+    return out
+
+
+def test_levels_chain_the_worker_the_slow_and_the_fast_scale():
+    """The worker's pooled level under the drafter's prior, the slow scale under the worker's, the fast under the
+    slow one's: the one loop over anti-diagonals gives what the definition gives level by level."""
+    rng = np.random.default_rng(6)
+    n, prior = 3, np.array([[0.6] + [0.95] * (MAX_K - 1), [0.35] + [0.8] * (MAX_K - 1)])
+    est = Estimates(n, MAX_K, (0.7, 0.98), (0.5, 2.0), 4.0, pooled=(0.99, 2.0))
+    for _ in range(25):
+        offered = rng.integers(0, MAX_K + 1, n)
+        drafted = np.minimum(offered, rng.integers(0, MAX_K + 1, n))
+        est.observe(*trials(offered, drafted, np.minimum(drafted, rng.integers(0, MAX_K + 1, n)), MAX_K), prior)
+    pooled = lifted(np.repeat(est.pooled_hits[0], n, 0), np.repeat(est.pooled_tries[0], n, 0), 2.0, 4.0,
+                    np.broadcast_to(prior, (n, 2, MAX_K)))
+    slow = lifted(est.hits[1, :n], est.tries[1, :n], 2.0, 4.0, pooled)
+    fast = lifted(est.hits[0, :n], est.tries[0, :n], 0.5, 4.0, slow)
+    np.testing.assert_allclose(est.levels(n, prior).transpose(0, 2, 3, 1), np.stack([pooled, slow, fast]), rtol=1e-9)
+    np.testing.assert_allclose(est.scales(n, prior), np.stack([fast, slow]), rtol=1e-9)
 
 
 def test_one_prior_for_every_position_chains_each_position_from_the_one_before():

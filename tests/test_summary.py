@@ -30,6 +30,13 @@ def test_the_stats_schema_is_the_record_and_its_ratios():
     assert set(STATS_SCHEMA.names) == set(s.to_row())
 
 
+def test_a_stats_part_written_before_controller_s_reads_back_with_none_spent():
+    """A job started by an older version resumes: its parts lack `controller_s` (counted in other_s then)."""
+    s = shard(0, "w0", "r")
+    old = {k: v for k, v in s.to_dict().items() if k != "controller_s"}
+    assert ShardStats.from_dict(old).controller_s == 0.0 and ShardStats.from_dict(old).other_s == s.other_s
+
+
 def test_a_rerun_keeps_the_jobs_figures_and_reports_its_own():
     earlier = [shard(i, "w0", "first") for i in range(3)]
     now = [shard(3, "w0", "second")]

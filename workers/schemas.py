@@ -78,6 +78,7 @@ class Counters:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    controller_s: float = 0.0  # in the controller: choosing offers and the draft stop, observing each step
     other_s: float = 0.0  # the rest of the generator's wall time (accepting, retiring, stop checks, planning)
     attempted_by_position: list[int] = field(default_factory=list)  # rows that reached draft position i
     accepted_by_position: list[int] = field(default_factory=list)  # ... and had it accepted

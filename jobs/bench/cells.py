@@ -19,10 +19,11 @@ from jobs.bench.config import BenchConfig
 from jobs.bench.fmt import percent
 from jobs.bench.memory import PeakMemory
 from jobs.bench.models import BenchModels
+from jobs.bench.oracle import fit_costs, oracle_rate, run_rate
 from jobs.bench.peers import PeerError, PeerPool, add_peer_ratios
 from jobs.bench.roofline import Floor
 from jobs.bench.spread import rate_summary, ratio_range, rates
-from jobs.bench.systems import K0, PEER, SPECBATCH, TRANSFORMERS, Run, System, bench_systems, run_specbatch
+from jobs.bench.systems import K0, PEER, SPECBATCH, TRANSFORMERS, Run, System, bench_systems, fixed_name, run_specbatch
 from jobs.bench.workloads import Prompt, cell_rows
 
 References = dict[tuple[int, ...], list[int]]
@@ -49,20 +50,31 @@ def _rows_equal(outputs: list[list[int]], expected: list[list[int] | None]) -> i
     return sum(o == e for o, e in zip(outputs, expected) if e is not None)
 
 
+def _rate(run: Run) -> float:
+    return run.generated / run.wall_s if run.wall_s else 0.0
+
+
+def median_run(runs: list[Run]) -> Run:
+    """The repeat with the median tokens/s: the one whose counters and trace stand for the cell."""
+    return sorted(runs, key=_rate)[len(runs) // 2]
+
+
 def summarize_cell(system: System, runs: list[Run], peaks: list[tuple[float, float]], prompts: list[Prompt],
                    references: References, k0_outputs: list[list[int]] | None, floor: Floor) -> dict:
     """One result row from a cell's repeats: median tokens/s with its range; counters from the median run."""
-    rates = [r.generated / r.wall_s if r.wall_s else 0.0 for r in runs]
-    run = runs[sorted(zip(rates, range(len(runs))))[len(runs) // 2][1]]
-    expected = [references.get(p.ids) for p in prompts]
+    run, expected = median_run(runs), [references.get(p.ids) for p in prompts]
     return {
         "section": "generation", "system": system.name, "family": system.family, "drafter": system.drafter,
-        "k": system.k, "schedule": system.schedule, "rows": len(prompts), "repeats": len(runs), **rate_summary(rates),
+        "k": system.k, "schedule": system.schedule, "rows": len(prompts), "repeats": len(runs),
+        **rate_summary([_rate(r) for r in runs]),
         "generated_tokens": run.generated, "wall_s": run.wall_s, "target_passes": run.target_passes,
         "row_passes": run.row_passes,
         "tokens_per_pass": run.generated / run.target_passes if run.target_passes else None,
         "tokens_per_row_pass": run.generated / run.row_passes if run.row_passes else None,
         "accept_by_position": run.accept_by_position, "k_hist": run.k_hist,
+        "controller_ms_per_step": None if run.controller_s is None
+        else 1e3 * run.controller_s / max(run.target_passes, 1),
+        "trace": run.steps,   # not a results.parquet column: traces.parquet (report.write_outputs)
         **floor.per_pass(run.target_passes, run.kv_reads, run.wall_s),
         "peak_mem_mb": max(p for p, _ in peaks), "peak_delta_mb": max(d for _, d in peaks),
         "rows_checked": sum(e is not None for e in expected),
@@ -119,9 +131,11 @@ def run_cells(cfg: BenchConfig, models: BenchModels, workloads: dict[str, list[P
             systems = [s for s in systems if s.family != PEER or s.peer not in peers.dead]
             k0 = runs[K0][0].outputs if K0 in runs else None
             as_transformers = runs[TRANSFORMERS][0].outputs
+            modelled = oracle_fields(systems, runs, cfg)
             for system in systems:
                 row = summarize_cell(system, runs[system.name], peaks[system.name], prompts, references,
                                      k0 if system.family == SPECBATCH else None, floor)
+                row.update(modelled.get(system.name, {}))
                 if system.family == PEER:   # its memory is its own process's, not measured here
                     row.update(rows_as_transformers=min(_rows_equal(r.outputs, as_transformers) for r in runs[system.name]),
                                peak_mem_mb=None, peak_delta_mb=None)
@@ -132,6 +146,23 @@ def run_cells(cfg: BenchConfig, models: BenchModels, workloads: dict[str, list[P
     add_ratios(results)
     add_peer_ratios(results)
     return results
+
+
+def oracle_fields(systems: list[System], runs: dict[str, list[Run]], cfg: BenchConfig) -> dict[str, dict]:
+    """Per system of this generator, its median run's steps in tokens per second of the cell's cost model, and
+    for a drafter's systems the trace oracle's on that drafter's widest fixed k (jobs/bench/oracle.py)."""
+    ours = [s for s in systems if s.family == SPECBATCH and runs[s.name]]
+    costs = fit_costs([r.steps for s in ours for r in runs[s.name]])
+    out = {s.name: {"modelled_tokens_per_s": run_rate(median_run(runs[s.name]).steps, costs)} for s in ours}
+    widest = max(cfg.ks, default=0)
+    for drafter in cfg.drafters:
+        reference = runs.get(fixed_name(drafter, widest)) if widest else None
+        if reference:
+            oracle = oracle_rate(median_run(reference).steps, costs, cfg.max_k)
+            for s in ours:
+                if s.drafter == drafter:
+                    out[s.name]["oracle_tokens_per_s"] = oracle
+    return out
 
 
 def add_ratios(results: list[dict]) -> None:

@@ -72,7 +72,7 @@ def benchmark(cfg: BenchConfig, out: Path, command: str = "specbatch bench", qui
     meta["load_at_end"] = load_average()
     text = write_outputs(results, meta, cfg, took, out)
     print(text)
-    log(f"bench took {took:.0f} s ({took / 60:.1f} min); wrote {out}/results.parquet, results.md, plot.png")
+    log(f"bench took {took:.0f} s ({took / 60:.1f} min); wrote {out}/results.parquet, traces.parquet, results.md, plot.png")
     return results
 
 

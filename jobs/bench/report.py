@@ -1,5 +1,5 @@
 """The bench's outputs: results.parquet (one row per cell and system, the run's metadata in the schema),
-results.md (the tables, printed too) and plot.png."""
+traces.parquet (every step of our systems' median runs), results.md (the tables, printed too) and plot.png."""
 from __future__ import annotations
 
 import datetime
@@ -19,7 +19,8 @@ from jobs.bench.goals import PER_CELL, Goal, goal_rows
 from jobs.bench.passes import passes_markdown
 from jobs.bench.plot import plot
 from jobs.bench.roofline import Floor
-from jobs.bench.systems import PEER, SPECBATCH
+from jobs.bench.spread import rates, ratio_range
+from jobs.bench.systems import PEER, SPECBATCH, adaptive_name, fixed_name
 from jobs.bench.workloads import MIX
 
 _F, _I, _S = pa.float64(), pa.int64(), pa.string()
@@ -36,6 +37,7 @@ SCHEMA = pa.schema([
     ("ratio_vs_direct", _F), ("steady_tokens_per_s", _F), ("steady_ratio_vs_direct", _F), ("startup_s", _F),
     ("ratio_vs_peer", _F), ("ratio_vs_peer_min", _F), ("ratio_vs_peer_max", _F), ("best_peer", _S),
     ("rows_as_transformers", _I),
+    ("controller_ms_per_step", _F), ("modelled_tokens_per_s", _F), ("oracle_tokens_per_s", _F),
 ])
 COLUMNS = SCHEMA.names
 
@@ -120,6 +122,35 @@ def _peer_lines(gen: list[dict], notes: list[str]) -> list[str]:
     return lines
 
 
+def _controller_lines(gen: list[dict], cfg: BenchConfig) -> list[str]:
+    """Per cell and drafter: adaptive against the best fixed k (measured) and against the trace oracle (modelled)."""
+    cell = {(r["workload"], r["batch_size"], r["system"]): r for r in gen}
+    rows = []
+    for drafter in cfg.drafters:
+        for w, b in dict.fromkeys((r["workload"], r["batch_size"]) for r in gen):
+            adaptive = cell.get((w, b, adaptive_name(drafter)))
+            fixed = [cell[key] for key in ((w, b, fixed_name(drafter, k)) for k in sorted(set(cfg.ks))) if key in cell]
+            if not adaptive or not fixed:
+                continue
+            best = max(fixed, key=lambda r: r["tokens_per_s"])
+            value, low, high = ratio_range(rates(adaptive), rates(best))
+            unsure = "?" if adaptive["repeats"] > 1 and low < 1.0 < high else ""
+            oracle = adaptive.get("oracle_tokens_per_s")
+            over = [num(r.get("modelled_tokens_per_s") / oracle, 2) if oracle else "–" for r in (adaptive, best)]
+            rows.append(f"| {w} | {b} | {drafter} | k={best['k']} | {num(value, 2)}{unsure} | {over[0]} | {over[1]} | "
+                        f"{num(adaptive.get('controller_ms_per_step'), 3)} |")
+    if not rows:
+        return []
+    return [("Controller (issue 23): adaptive over the best fixed k of its drafter (k=0 included), measured tok/s "
+             "(`?`: the range over the repeats holds 1.0); and each over the trace oracle: a run's own steps in tokens "
+             "per second of the cost model fitted on the cell's traces (verify seconds by rows × width, draft seconds "
+             "per column), over the best width per step in hindsight on the widest fixed k's steps "
+             "(jobs/bench/oracle.py)."), "",
+            ("| workload | batch | drafter | best fixed | adaptive ÷ best fixed | adaptive ÷ oracle | best fixed ÷ oracle "
+             "| adaptive controller ms/step |"),
+            "|---|---:|---|---|---:|---:|---:|---:|"] + rows
+
+
 _MARK = {"met": "✓", "not met": "✗", "inconclusive": "?", None: ""}
 
 
@@ -170,6 +201,7 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
           "repeat(s), interleaved across systems (min–max; spread = (max − min) / median); × is over transformers "
           "`generate` at the same batch size and workload (`?`: its range over the repeats holds 1.0); "
           "tok/row-pass = generated / (rows summed over target passes); α = acceptance by draft position; "
+          "controller ms/step = time in the adaptive or fixed controller per target pass; "
           "exact = every row with a reference equals transformers' greedy output at batch 1, and every row of "
           "ours equals our k=0 output.",
         (f"Roofline: memory bandwidth {num(meta['bandwidth_gb_s'])} GB/s (best large tensor copy, read + write); "
@@ -180,8 +212,8 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
         "working set over what was in use when it started.",
         "",
         "| workload | batch | system | tok/s (min–max) | spread | × |" + (" × best peer |" if with_peers else "")
-        + " tok/row-pass | α1..α4 | mean k | MB/pass | ms/pass | floor ms | % floor | peak MB (+cell) | exact |",
-        "|---|---:|---|---|---:|---:|" + ("---|" if with_peers else "") + "---:|---|---:|---:|---:|---:|---:|---:|---|",
+        + " tok/row-pass | α1..α4 | mean k | controller ms/step | MB/pass | ms/pass | floor ms | % floor | peak MB (+cell) | exact |",
+        "|---|---:|---|---|---:|---:|" + ("---|" if with_peers else "") + "---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in gen:
         lines.append(
@@ -189,9 +221,13 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
             f"({num(r['tokens_per_s_min'])}–{num(r['tokens_per_s_max'])}) | {percent(r['spread'])} | {_ratio(r)} | "
             + (f"{_peer_ratio(r)} | " if with_peers else "") +
             f"{num(r['tokens_per_row_pass'], 2)} | {_alphas(r['accept_by_position'])} | "
-            f"{_mean_k(r['k_hist']) if r['family'] == SPECBATCH else '–'} | {num(r['bytes_per_pass'] and r['bytes_per_pass'] / 1e6, 0)} | "
+            f"{_mean_k(r['k_hist']) if r['family'] == SPECBATCH else '–'} | {num(r.get('controller_ms_per_step'), 3)} | "
+            f"{num(r['bytes_per_pass'] and r['bytes_per_pass'] / 1e6, 0)} | "
             f"{num(r['ms_per_pass'])} | {num(r['floor_ms_per_pass'])} | {percent(r['floor_fraction'])} | "
             f"{num(r['peak_mem_mb'], 0)} (+{num(r['peak_delta_mb'], 0)}) | {_exact(r)} |")
+    controller = _controller_lines(gen, cfg)
+    if controller:
+        lines += [""] + controller
     if meta.get("peers") or with_peers:
         lines += [""] + _peer_lines(gen, meta.get("peers") or [])
     if meta.get("skipped"):
@@ -217,12 +253,21 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
     return "\n".join(lines) + "\n"
 
 
+def trace_rows(results: list[dict]) -> list[dict]:
+    """One row per step of each of our systems' median run in each cell: what the oracle was computed from."""
+    return [{"workload": r["workload"], "batch_size": r["batch_size"], "system": r["system"], "step": i,
+             "offered": s.offered.tolist(), "drafted": s.drafted.tolist(), "accepted": s.accepted.tolist(),
+             "width": s.width, "draft_s": s.draft_s, "verify_s": s.verify_s}
+            for r in results if r.get("trace") for i, s in enumerate(r["trace"])]
+
+
 def write_outputs(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float, out: Path) -> str:
-    """results.parquet, results.md and plot.png in `out`; returns the Markdown."""
+    """results.parquet, traces.parquet, results.md and plot.png in `out`; returns the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in results], schema=SCHEMA)
     meta_json = json.dumps({**meta, "took_s": round(took_s, 1)})
     pq.write_table(table.replace_schema_metadata({"specbatch_bench": meta_json}), out / "results.parquet")
+    pq.write_table(pa.Table.from_pylist(trace_rows(results)), out / "traces.parquet")
     text = markdown(results, meta, cfg, took_s)
     (out / "results.md").write_text(text)
     plot(results, cfg, out / "plot.png")

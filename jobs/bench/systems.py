@@ -4,7 +4,8 @@ Peers (other engines: llama.cpp, vLLM-CPU, jobs/bench/peers.py) come after trans
 This generator's systems are k = 0 (plain decoding) and, for every drafter the config names (any
 registered drafter: a new drafter becomes bench rows by naming it in the config), fixed k and the
 adaptive controller. Each run builds its generator fresh, through the workers' registry from the job
-config a user would write, so repeats measure the same thing and the bench measures what a job runs.
+config a user would write, so repeats measure the same thing and the bench measures what a job runs;
+it keeps the run's trace of every step (offers, drafts, acceptances, widths, seconds) for the oracle.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from jobs.bench.models import BenchModels
 from jobs.bench.roofline import kv_token_reads
 from jobs.bench.timing import timed
 from jobs.bench.workloads import Prompt
+from workers.engine.controller import StepRecord
 from workers.engine.generator import Request
 from workers.registry import make_generator
 
@@ -73,6 +75,8 @@ class Run:
     kv_reads: float              # cached tokens read, summed over passes and rows (roofline.kv_token_reads)
     accept_by_position: list[float]
     k_hist: list[int]
+    steps: list[StepRecord] | None = None   # this generator's trace of every step (jobs/bench/oracle.py)
+    controller_s: float | None = None       # this generator's time in its controller
 
     @property
     def generated(self) -> int:
@@ -87,11 +91,11 @@ def run_specbatch(system: System, models: BenchModels, prompts: list[Prompt], ba
     job = job_config(cfg, system.drafter, k, batch_size, max_new_tokens)
     generator = make_generator(job, models.by_drafter[system.drafter])
     requests = [Request(p.id, list(p.ids), seed=0) for p in prompts]
-    result, wall = timed(models.device, lambda: generator.generate(requests))
+    result, wall = timed(models.device, lambda: generator.generate(requests, trace=True))
     errors = [c.error for c in result.completions if c.error]
     if errors:
         raise BenchError(f"{system.name} failed on {len(errors)} prompts: {errors[0]}")
     s, done = result.stats, result.completions
     kv = sum(kv_token_reads(c.target_passes, c.prompt_tokens, len(c.token_ids)) for c in done)
     return Run([c.token_ids for c in done], wall, s.target_passes, s.row_passes, kv,
-               [float(a) for a in s.accept_by_position], [int(c) for c in s.k_hist])
+               [float(a) for a in s.accept_by_position], [int(c) for c in s.k_hist], result.steps, s.controller_s)

@@ -15,6 +15,14 @@ Each slot keeps its counts at several time scales at once (a fast decay follows 
 or ends within a few steps; a slow one is steady on a stationary row) and mixes them by how well each
 predicted the slot's recent steps, with a fixed share passed between them every step so that the other
 scale can take over when the row changes phase (Herbster & Warmuth's fixed-share experts).
+
+Above the slots' scales there may be a pooled level: every slot's trials counted together (the
+worker's estimate), which is then the slots' prior. The levels form one chain, most general first: the
+pooled level's prior is the given prior, the slowest scale's is the pooled level's estimate, each faster
+scale's the next slower one's, each lifted position by position as above. A level's estimate at
+position j needs its own at j - 1 and the level above's at j and j - 1, so all levels advance together
+along anti-diagonals (`_chained`): the per-position loop that a step cannot avoid runs max_k + levels - 1
+times, not max_k times per level.
 """
 from __future__ import annotations
 
@@ -24,47 +32,58 @@ REACH, ACCEPT = 0, 1
 
 
 class Estimates:
+    """Estimates of the first n slots. `decays` and `prior_tries` are per scale, fastest first; `pooled`
+    (decay, prior tries) also keeps the pooled level, the slots' prior."""
+
     def __init__(self, max_rows: int, max_k: int, decays: tuple[float, ...], prior_tries: tuple[float, ...],
-                 chain_tries: float = 2.0, share: float = 0.05, idle_decay: float = 0.99):
+                 chain_tries: float = 2.0, share: float = 0.05, idle_decay: float = 0.99,
+                 pooled: tuple[float, float] | None = None):
         self.decays = np.array(decays).reshape(-1, 1, 1, 1)
-        self.prior_tries, self.chain_tries = np.array(prior_tries).reshape(-1, 1, 1), chain_tries
         self.share, self.idle_decay = share, idle_decay
         self.hits = np.zeros((len(decays), max_rows, 2, max_k))
         self.tries = np.zeros_like(self.hits)
         self.weight = np.full((max_rows, len(decays)), 1.0 / len(decays))
+        self.pooled_decay = None if pooled is None else pooled[0]
+        self.pooled_hits = np.zeros((1, 1, 2, max_k))
+        self.pooled_tries = np.zeros_like(self.pooled_hits)
+        # (levels, max_k, 1, 1), most general first: the tries a position's prior is worth (position 1's own,
+        # then the chain's)
+        first = ([] if pooled is None else [pooled[1]]) + list(prior_tries)[::-1]
+        self.worth = np.full((len(first), max_k, 1, 1), float(chain_tries))
+        self.worth[:, 0, 0, 0] = first
         self._last: tuple[tuple[int, bytes], np.ndarray] | None = None  # a step asks twice for the same state
+        self._anchor: tuple[bytes, np.ndarray | None] = (b"", None)      # the prior's odds (max_k, 1, 2)
 
-    def scales(self, n: int, prior: np.ndarray) -> np.ndarray:
-        """(scales, n, 2, max_k) estimates of the first n slots; `prior` (2, max_k) is the prior per position
-        (a (2,) prior holds for every position).
+    def levels(self, n: int, prior: np.ndarray) -> np.ndarray:
+        """(levels, max_k, n, 2): the pooled level's estimates (when kept), then each scale's, slowest first;
+        `prior` (2, max_k) is the prior per position (a (2,) prior holds for every position).
 
-        The slowest scale (the last) takes each position's prior shifted (in log-odds) by as much as the
-        slot's estimate differs from the prior at the position before: a slot that copies is trusted further
-        along the span than the prior, one that misses less (with one prior for every position, this is the
-        estimate of the position before). A faster scale's prior is the slowest scale's estimate, shifted
-        by as much as the faster scale differs from it at the position before: a row that has just started
-        copying is trusted further along the span at once, while a position that failed stays remembered
-        as failed."""
-        key = (n, np.asarray(prior, float).tobytes())
+        The most general level takes each position's prior shifted (in log-odds) by as much as its estimate
+        differs from the prior at the position before: a slot that copies is trusted further along the span
+        than the prior, one that misses less (with one prior for every position, this is the estimate of the
+        position before). Each level below does the same with the level above's estimates as its prior: a
+        row that has just started copying is trusted further along the span at once, while a position that
+        failed stays remembered as failed."""
+        prior = np.asarray(prior, float)
+        key = (n, prior.tobytes())
         if self._last is not None and self._last[0] == key:
             return self._last[1]
-        hits, tries = self.hits[:, :n], self.tries[:, :n]
-        weights = [self.prior_tries] + [np.full_like(self.prior_tries, self.chain_tries)] * (hits.shape[-1] - 1)
-        out = np.empty_like(hits)
-        prior = _logit(np.broadcast_to(np.asarray(prior, float).reshape(2, -1), (2, hits.shape[-1])))
-        lift = np.zeros(hits.shape[1:-1])
-        for j, m in enumerate(weights):
-            before = 1.0 / (1.0 + np.exp(-(prior[:, j] + lift)))
-            out[-1, ..., j] = (hits[-1, ..., j] + m[-1] * before) / (tries[-1, ..., j] + m[-1])
-            lift = _logit(out[-1, ..., j]) - prior[:, j]
-        shift = np.zeros_like(out[:-1, ..., 0])
-        for j, m in enumerate(weights):
-            slow = _logit(out[-1, ..., j])
-            prior_j = 1.0 / (1.0 + np.exp(-(slow + shift)))
-            out[:-1, ..., j] = (hits[:-1, ..., j] + m[:-1] * prior_j) / (tries[:-1, ..., j] + m[:-1])
-            shift = _logit(out[:-1, ..., j]) - slow
+        hits, tries = self.hits[::-1, :n], self.tries[::-1, :n]
+        if self.pooled_decay is not None:
+            shape = (1, n) + hits.shape[2:]
+            hits = np.concatenate([np.broadcast_to(self.pooled_hits, shape), hits])
+            tries = np.concatenate([np.broadcast_to(self.pooled_tries, shape), tries])
+        scale = 1.0 / (tries.transpose(0, 3, 1, 2) + self.worth)
+        counted = hits.transpose(0, 3, 1, 2) * scale                        # estimate = counted + worth * scale * prior
+        if self._anchor[0] != key[1]:
+            self._anchor = (key[1], _odds(np.broadcast_to(prior.reshape(2, -1), (2, self.worth.shape[1])).T[:, None]))
+        out = _chained(counted, counted + self.worth * scale, self._anchor[1])
         self._last = (key, out)
         return out
+
+    def scales(self, n: int, prior: np.ndarray) -> np.ndarray:
+        """(scales, n, 2, max_k): each scale's estimates, in the order of `decays`."""
+        return self.levels(n, prior)[: -len(self.decays) - 1 : -1].transpose(0, 2, 3, 1)
 
     def mixed(self, n: int, prior: np.ndarray) -> np.ndarray:
         """(n, 2, max_k): the scales' estimates mixed by their weights."""
@@ -74,14 +93,20 @@ class Estimates:
         """One step's trials (n, 2, max_k) of the first n slots: reweigh the scales by how likely each
         found them, then count them."""
         n = len(hits)
-        p = np.clip(self.scales(n, prior), 0.01, 0.99)
-        loglik = (hits * np.log(p) + (tries - hits) * np.log1p(-p)).sum(axis=(2, 3)).T        # (n, scales)
-        weight = self.weight[:n] * np.exp(loglik - loglik.max(axis=1, keepdims=True))
-        weight /= weight.sum(axis=1, keepdims=True)
-        self.weight[:n] = (1 - self.share) * weight + self.share / weight.shape[1]
+        if len(self.decays) > 1:   # one scale keeps its weight of 1
+            p = np.clip(self.scales(n, prior), 0.01, 0.99)
+            loglik = (hits * np.log(p) + (tries - hits) * np.log1p(-p)).sum(axis=(2, 3)).T        # (n, scales)
+            weight = self.weight[:n] * np.exp(loglik - loglik.max(axis=1, keepdims=True))
+            weight /= weight.sum(axis=1, keepdims=True)
+            self.weight[:n] = (1 - self.share) * weight + self.share / weight.shape[1]
         decay = np.where(tries > 0, self.decays, self.idle_decay)  # a position not tried forgets slowly
         self.hits[:, :n] = self.hits[:, :n] * decay + hits
         self.tries[:, :n] = self.tries[:, :n] * decay + tries
+        if self.pooled_decay is not None:
+            hits, tries = hits.sum(0), tries.sum(0)
+            decay = np.where(tries > 0, self.pooled_decay, self.idle_decay)
+            self.pooled_hits = self.pooled_hits * decay + hits
+            self.pooled_tries = self.pooled_tries * decay + tries
         self._last = None
 
     def reset(self, start: int, count: int) -> None:
@@ -96,15 +121,51 @@ class Estimates:
         self._last = None
 
 
-def _logit(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-3, 1 - 1e-3)
-    return np.log(p / (1 - p))
+_LOW, _HIGH = 1e-3 / (1 - 1e-3), (1 - 1e-3) / 1e-3   # odds of 0.001 and 0.999: no estimate is taken as certain
+
+
+def _odds(p: np.ndarray) -> np.ndarray:
+    """p / (1 - p), p clipped to [0.001, 0.999] first."""
+    p = np.minimum(np.maximum(p, 1e-3), 1 - 1e-3)
+    return p / (1 - p)
+
+
+def _chained(counted: np.ndarray, stay: np.ndarray, anchor: np.ndarray) -> np.ndarray:
+    """Estimates (levels, max_k, ...) of chained levels, counted + (stay - counted) * prior each, where level
+    l's prior at position j has the odds of the level above's estimate at j (the anchor's for the first
+    level) times those of level l's own estimate at j - 1 over the level above's at j - 1: the log-odds
+    lift, as a product of odds.
+
+    Level l at position j needs the level above at j and j - 1 and itself at j - 1, so step s computes
+    every level l at position s - l from the two steps before it: the arrays are skewed so that step s's
+    positions are one slice (padding outside a level's positions is an estimate of 1/2: odds 1). With z a
+    prior's odds, the estimate is p = (counted + stay z) / (1 + z) and its odds p / (1 - p) are
+    (counted + stay z) / (1 + z - counted - stay z), clipped; the estimates follow from every z at once
+    after the loop."""
+    levels, k = counted.shape[:2]
+    steps = k + levels - 1
+    c = np.full((steps, levels) + counted.shape[2:], 0.5)
+    st = c.copy()
+    for level in range(levels):
+        c[level : level + k, level], st[level : level + k, level] = counted[level], stay[level]
+    odds = np.ones((steps + 2, levels + 1) + counted.shape[2:])   # step s in row s + 2; column 0: the anchor
+    odds[1 : k + 1, 0] = anchor
+    z = np.empty_like(c)
+    for s, (cs, sts, zs) in enumerate(zip(c, st, z)):
+        np.multiply(odds[s + 1, :-1] / odds[s, :-1], odds[s + 1, 1:], out=zs)
+        num = sts * zs
+        num += cs
+        np.minimum(np.maximum(num / (1 + zs - num), _LOW), _HIGH, out=odds[s + 2, 1:])
+    out = (c + st * z) / (1 + z)
+    return np.stack([out[level : level + k, level] for level in range(levels)])
 
 
 def trials(offered: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, max_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """One step's (hits, tries), each (n, 2, max_k), from per-row positions offered, drafted and accepted."""
+    """One step's (hits, tries), each (n, 2, max_k), from per-row positions offered, drafted and accepted:
+    position j is tried for REACH when offered and j - 1 was drafted, hit when drafted; tried for ACCEPT
+    when drafted and j - 1 was accepted, hit when accepted."""
     position = np.arange(max_k)
-    tries = np.stack([(offered[:, None] > position) & (drafted[:, None] >= position),
-                      (drafted[:, None] > position) & (accepted[:, None] >= position)], axis=1)
-    hits = np.stack([drafted[:, None] > position, accepted[:, None] > position], axis=1) & tries
-    return hits.astype(float), tries.astype(float)
+    past = np.stack([offered, drafted, accepted], axis=1)[:, :, None] > position     # (n, 3, max_k)
+    reached = np.stack([drafted, accepted], axis=1)[:, :, None] >= position          # j - 1 drafted, accepted
+    tries = past[:, :2] & reached
+    return (past[:, 1:] & tries).astype(float), tries.astype(float)

@@ -19,7 +19,7 @@ from workers.engine.acceptance import ACCEPT, Estimates, trials
 from workers.engine.costs import CostModel
 from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import DEFAULT_PRIOR
-from workers.engine.offers import best_offers, drain_weights, pass_rates
+from workers.engine.offers import best_offers, could_beat, drain_weights, pass_rates
 
 log = logging.getLogger(__name__)
 
@@ -85,27 +85,24 @@ class AdaptiveK(Controller):
         self.max_k, self.costs, self.margin = max_k, costs or CostModel(), margin
         self.prior = np.array([[p[min(j, len(p) - 1)] for j in range(max_k)] for p in prior])  # (2, max_k)
         self.explore_every, self.probe_share = explore_every, probe_share
-        self.rows = Estimates(max_rows, max_k, row_decays, row_prior_tries, chain_tries, share)
-        self.worker = Estimates(1, max_k, (worker_decay,), (row_prior_tries[-1],), chain_tries)
+        self.estimates = Estimates(max_rows, max_k, row_decays, row_prior_tries, chain_tries, share,
+                                   pooled=(worker_decay, row_prior_tries[-1]))   # the rows', under the worker's
         self.held = np.zeros(max_rows, dtype=int)
+        self.widths = np.arange(1, max_k + 2)     # the pass widths priced each step
         self.unprobed = 0                         # steps since any row tried position 1
         self.confidence = np.array([1.0, 1.0])    # decayed (accepted drafts, summed draft confidence)
         self.stop: DraftStop | None = None
 
-    def worker_estimates(self) -> np.ndarray:
-        """(2, max_k): the worker's reach and accept estimates per position."""
-        return self.worker.mixed(1, self.prior)[0]
-
     def model(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(gain, reach), each (n, max_k): the probability that row r's draft is accepted up to position
         j, and that it reaches position j."""
-        est = self.rows.mixed(n, self.worker_estimates())
+        est = self.estimates.mixed(n, self.prior)
         reach = np.cumprod(est[:, 0], axis=1)
         return reach * np.cumprod(est[:, ACCEPT], axis=1), reach
 
     def pass_costs(self, n: int) -> tuple[float, np.ndarray]:
         """Seconds of a pass of width 1, and (max_k,) seconds each further column adds (verify width + draft)."""
-        verify = np.array([self.costs.verify(n, w) for w in range(1, self.max_k + 2)])
+        verify = self.costs.verify(n, self.widths)
         return float(verify[0]), np.maximum(np.diff(verify), 0.0) + self.costs.draft(n, 1)
 
     def choose(self, n_rows: int, remaining: np.ndarray | None = None) -> np.ndarray:
@@ -114,17 +111,19 @@ class AdaptiveK(Controller):
         gain, reach = self.model(n_rows)
         base, column = self.pass_costs(n_rows)
         weight = None if remaining is None else drain_weights(gain, remaining)
-        offers, rate = best_offers(gain, reach, base, column, weight)
         held_rate = float(pass_rates(self.held[:n_rows], gain, reach, base, column, weight))
-        if rate > held_rate * (1 + self.margin):
-            self.held[:n_rows], held_rate = offers, rate
+        if could_beat(gain, reach, base, column, held_rate * (1 + self.margin), weight):
+            offers, rate = best_offers(gain, reach, base, column, weight)
+            if rate > held_rate * (1 + self.margin):
+                self.held[:n_rows], held_rate = offers, rate
         chosen = self.held[:n_rows].copy()
         if not chosen.any() and self.unprobed >= max(self.explore_every, column[0] / base / self.probe_share):
             chosen[:] = 1
         calibration = self.confidence[0] / self.confidence[1]
         self.stop = DraftStop(held_rate * column, calibration, weight)
-        log.debug("gain=%s base=%.3gs column=%s -> offers=%s (%.1f tok/s)", np.round(gain.sum(0), 2), base,
-                  np.round(column, 4), chosen, held_rate)
+        if log.isEnabledFor(logging.DEBUG):   # its arguments cost more than the rest of choose
+            log.debug("gain=%s base=%.3gs column=%s -> offers=%s (%.1f tok/s)", np.round(gain.sum(0), 2), base,
+                      np.round(column, 4), chosen, held_rate)
         return chosen
 
     def draft_stop(self) -> DraftStop | None:
@@ -134,8 +133,7 @@ class AdaptiveK(Controller):
         n = len(step.offered)
         self.costs.observe(n, step.width, step.verify_s, step.width - 1, step.draft_s)
         hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
-        self.rows.observe(hits, tries, self.worker_estimates())
-        self.worker.observe(hits.sum(0, keepdims=True), tries.sum(0, keepdims=True), self.prior)
+        self.estimates.observe(hits, tries, self.prior)
         self.unprobed = 0 if tries[:, :, 0].any() else self.unprobed + 1
         if step.confidence is not None:
             tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool)
@@ -143,9 +141,9 @@ class AdaptiveK(Controller):
             self.confidence = 0.99 * self.confidence + seen
 
     def admit(self, start: int, count: int) -> None:
-        self.rows.reset(start, count)
+        self.estimates.reset(start, count)
         self.held[start : start + count] = self.held[:start].max(initial=0)
 
     def move(self, src: int, dst: int) -> None:
-        self.rows.move(src, dst)
+        self.estimates.move(src, dst)
         self.held[dst] = self.held[src]

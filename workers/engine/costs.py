@@ -9,6 +9,8 @@ peak / bandwidth x bytes per parameter / 2 (about a hundred tokens on an H100).
 """
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,50 +67,69 @@ class CostModel:
     row counts not measured yet. Until passes of more than one width have been measured, a further column
     is taken to cost `column_share` of a width-1 pass: optimistic (a pass that reads the weights once costs
     little more per column), so a controller whose rows would gain tries a wider pass and measures the truth,
-    instead of never leaving k = 0 on a guess. Draft time per drafted column is a running mean. A test may
-    inject any object with the same observe / verify / draft methods."""
+    instead of never leaving k = 0 on a guess. Draft time per drafted column is a running mean. A cell's mean
+    weighs its last `memory` passes or so (older ones fade, so a controller follows the machine's load; the
+    bench's trace oracle keeps every pass: None). A test may inject any object with the same observe / verify
+    / draft methods (verify taking an array of widths).
 
-    def __init__(self, column_share: float = 0.1):
+    The controller prices every width each step, so `verify` takes all widths at once, and the fit is
+    redone only when a price needs it (a row count or width not measured yet), not on every pass."""
+
+    def __init__(self, column_share: float = 0.1, memory: int | None = 20):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
-        self.coef = np.array([1.0, 0.0, 0.0])
+        self.memory = math.inf if memory is None else memory
+        self.widths: dict[int, list[int]] = {}    # the widths measured at each row count, ascending
         self.column_share = column_share
         self.draft_per_column = 0.0
+        self._coef, self._fitted = np.array([1.0, 0.0, 0.0]), True
 
     def observe(self, n: int, width: int, verify_s: float, columns: int, draft_s: float) -> None:
         mean, count = self.cells.get((n, width), (0.0, 0))
-        weight = 1.0 / min(count + 1, 20)  # a running mean that keeps adapting to the machine
+        if not count:
+            bisect.insort(self.widths.setdefault(n, []), width)
+        weight = 1.0 / min(count + 1, self.memory)
         self.cells[(n, width)] = (mean + weight * (verify_s - mean), count + 1)
         if columns:
             self.draft_per_column += 0.1 * (draft_s / columns - self.draft_per_column)
-        if len(self.cells) > 1:
+        self._fitted = len(self.cells) < 2
+
+    @property
+    def coef(self) -> np.ndarray:
+        """(a, b, c) of t = a + b*n + c*n*w: weighted least squares over the cells (each worth its count, up to
+        `memory`)."""
+        if not self._fitted:
             keys = list(self.cells)
             x = np.array([[1.0, n, n * w] for n, w in keys])
             y = np.array([self.cells[key][0] for key in keys])
-            sw = np.sqrt([min(self.cells[key][1], 20) for key in keys])
+            sw = np.sqrt([min(self.cells[key][1], self.memory) for key in keys])
             coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
-            self.coef = np.maximum(coef, [1e-6, 0.0, 1e-9])
+            self._coef, self._fitted = np.maximum(coef, [1e-6, 0.0, 1e-9]), True
+        return self._coef
 
     def _widths_measured(self) -> bool:
         return len({w for _, w in self.cells}) > 1
 
-    def verify(self, n: int, width: int) -> float:
-        measured = sorted((w, t) for (rows, w), (t, _) in self.cells.items() if rows == n)
+    def verify(self, n: int, width: int | np.ndarray) -> float | np.ndarray:
+        """Seconds of a verify pass of n rows at `width` tokens each (an int, or an array of widths)."""
+        w = np.asarray(width, float)
+        measured = self.widths.get(n)
         if not measured:
+            a, b, c = self.coef
             if self._widths_measured():
-                return float(self.coef @ [1.0, n, n * width])
-            base = float(self.coef @ [1.0, n, n])
-            return base * (1.0 + self.column_share * (width - 1))
-        widths, times = np.array([w for w, _ in measured], float), np.array([t for _, t in measured])
+                t = a + b * n + c * n * w
+            else:
+                t = (a + b * n + c * n) * (1.0 + self.column_share * (w - 1))
+            return float(t) if t.ndim == 0 else t
+        widths = np.array(measured, float)
+        times = np.array([self.cells[(n, m)][0] for m in measured])
         if len(measured) == 1:
-            slope = self.coef[2] * n if self._widths_measured() else self.column_share * times[0] / widths[0]
+            low = high = self.coef[2] * n if self._widths_measured() else self.column_share * times[0] / widths[0]
         else:
-            end = -1 if width >= widths[-1] else 1
-            pair = slice(-2, None) if end == -1 else slice(0, 2)
-            slope = max(0.0, float(np.diff(times[pair])[0] / np.diff(widths[pair])[0]))
-        if widths[0] <= width <= widths[-1]:
-            return float(np.interp(width, widths, times))
-        anchor = -1 if width > widths[-1] else 0
-        return max(1e-9, float(times[anchor] + slope * (width - widths[anchor])))
+            low, high = (max(0.0, float((times[j] - times[i]) / (widths[j] - widths[i]))) for i, j in ((0, 1), (-2, -1)))
+        t = np.interp(w, widths, times)
+        t = np.where(w > widths[-1], np.maximum(1e-9, times[-1] + high * (w - widths[-1])), t)
+        t = np.where(w < widths[0], np.maximum(1e-9, times[0] + low * (w - widths[0])), t)
+        return float(t) if t.ndim == 0 else t
 
     def draft(self, n: int, columns: int) -> float:
         return self.draft_per_column * columns

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ class GenerationSettings:
 class GenerationResult:
     completions: list[Completion]   # in request order
     stats: GenerationStats          # of this call alone
+    steps: list[StepRecord] | None = None   # with generate(trace=True): what every step did (not the shadow guesses)
 
 
 @dataclass
@@ -73,6 +74,14 @@ class _Plan:
     def width(self) -> int:
         """The longest draft allowed: no row drafts further."""
         return max(self.offered, default=0)
+
+
+def _shadow_step(step: StepRecord, offered: list[int], shadow: Proposal, verdict: Verdict) -> StepRecord:
+    """A step in which no row drafted, as the controller sees it: each row's free guess as a one-position
+    draft (a row with no guess missed, as when drafting)."""
+    lens = shadow.lengths.tolist()
+    hits = [int(n > 0 and guess[0] == new[0]) for n, guess, new in zip(lens, shadow.tokens.tolist(), verdict.tokens)]
+    return replace(step, offered=np.array(offered), drafted=np.array(lens), accepted=np.array(hits))
 
 
 def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -106,10 +115,10 @@ class SpeculativeGenerator:
                       f"it exceeds the model context of {self.context} tokens")
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request]) -> GenerationResult:
-        """Complete every request."""
+    def generate(self, requests: list[Request], trace: bool = False) -> GenerationResult:
+        """Complete every request; with `trace`, also return a StepRecord of every step (the bench's traces)."""
         started = time.perf_counter()
-        stats = GenerationStats(self.settings.max_k)
+        stats, steps = GenerationStats(self.settings.max_k), [] if trace else None
         results: list[Completion | None] = [None] * len(requests)
         runnable = []
         for i, request in enumerate(requests):
@@ -119,11 +128,13 @@ class SpeculativeGenerator:
             else:
                 runnable.append((i, Request(request.id, ids, request.seed)))
         if runnable:
-            self._run(runnable, results, stats)
-        stats.other_s = time.perf_counter() - started - stats.prefill_s - stats.draft_s - stats.verify_s
-        return GenerationResult(results, stats)  # type: ignore[arg-type]
+            self._run(runnable, results, stats, steps)
+        stats.other_s = (time.perf_counter() - started - stats.prefill_s - stats.draft_s - stats.verify_s
+                         - stats.controller_s)
+        return GenerationResult(results, stats, steps)  # type: ignore[arg-type]
 
-    def _run(self, runnable: list[tuple[int, Request]], results: list[Completion | None], stats: GenerationStats) -> None:
+    def _run(self, runnable: list[tuple[int, Request]], results: list[Completion | None], stats: GenerationStats,
+             steps: list[StepRecord] | None) -> None:
         s = self.settings
         slots = min(s.batch_size, len(runnable))
         capacity = max(len(r.prompt_ids) for _, r in runnable) + s.max_new_tokens + s.max_k + 2
@@ -137,12 +148,13 @@ class SpeculativeGenerator:
                 batch.admit([(i, Row(list(r.prompt_ids), len(r.prompt_ids), r.seed)) for i, r in admitted])
                 stats.prompt_tokens += sum(len(r.prompt_ids) for _, r in admitted)
                 stats.prefill_s += time.perf_counter() - started
-            self._step(batch, results, stats, draining=not waiting)
+            self._step(batch, results, stats, steps, draining=not waiting)
         stats.prefilled_tokens = batch.target.computed_tokens
 
-    def _step(self, batch: LiveBatch, results: list[Completion | None], stats: GenerationStats, draining: bool) -> None:
+    def _step(self, batch: LiveBatch, results: list[Completion | None], stats: GenerationStats,
+              steps: list[StepRecord] | None, draining: bool) -> None:
         rows = batch.rows
-        plan = self._plan(rows, draining)
+        plan = self._plan(rows, draining, stats)
         started = time.perf_counter()
         proposal, shadow = self._draft(rows, plan)
         drafted = time.perf_counter()
@@ -157,22 +169,25 @@ class SpeculativeGenerator:
         stats.verify_s += verified - drafted
         for row, drafted_len, acc in zip(rows, lens, accepted):
             row.target_passes, row.drafted, row.accepted = row.target_passes + 1, row.drafted + drafted_len, row.accepted + acc
-        offered, confidence = plan.offered, None if proposal is None else proposal.confidence
-        if shadow is not None:
-            offered, lens = plan.shadow, shadow.lengths.tolist()  # a row with no guess missed, as when drafting
-            accepted = [int(n > 0 and guess[0] == new[0]) for n, guess, new in
-                        zip(lens, shadow.tokens.tolist(), verdict.tokens)]
-        self.controller.observe(StepRecord(np.array(offered), np.array(lens), np.array(accepted), width + 1,
-                                           drafted - started, verified - drafted,
-                                           None if confidence is None else confidence.numpy()))
+        confidence = None if proposal is None or proposal.confidence is None else proposal.confidence.numpy()
+        step = StepRecord(np.array(plan.offered), np.array(lens), np.array(accepted), width + 1, drafted - started,
+                          verified - drafted, confidence)
+        if steps is not None:
+            steps.append(step)
+        observing = time.perf_counter()
+        self.controller.observe(step if shadow is None else _shadow_step(step, plan.shadow, shadow, verdict))
+        stats.controller_s += time.perf_counter() - observing
         self._accept(batch, verdict, results, stats)
 
-    def _plan(self, rows: list[Row], draining: bool) -> _Plan:
+    def _plan(self, rows: list[Row], draining: bool, stats: GenerationStats) -> _Plan:
         """The controller's per-row offers, capped by the tokens each row may still generate; while the batch
         drains the controller also sees those budgets (the batch ends with its slowest row)."""
         budgets = np.array([self.settings.max_new_tokens - r.generated - 1 for r in rows]).clip(min=0)
-        offered = np.minimum(self.controller.choose(len(rows), budgets + 1 if draining else None), budgets)
-        return _Plan(offered.tolist(), self.controller.draft_stop(), np.minimum(budgets, 1).tolist())
+        started = time.perf_counter()
+        chosen = self.controller.choose(len(rows), budgets + 1 if draining else None)
+        stop = self.controller.draft_stop()
+        stats.controller_s += time.perf_counter() - started
+        return _Plan(np.minimum(chosen, budgets).tolist(), stop, np.minimum(budgets, 1).tolist())
 
     def _draft(self, rows: list[Row], plan: _Plan) -> tuple[Proposal | None, Proposal | None]:
         """The proposal to verify (cut at the confidence stop when the drafter reports confidence), and

@@ -21,6 +21,8 @@ widens pays for its neighbours, which are the ones holding the batch.
 Search: from every uniform offer (one k for the batch: so never worse than the best single k), rounds
 of best responses (Dinkelbach's parametric form of the ratio at the start's own rate), keeping a
 round only where it raises the rate. Exact on every small case tried against brute force (tests).
+The search runs only where some offers could beat the held ones (`could_beat`: a bound a few array
+operations cost), so a controller that holds k = 0 where drafting does not pay searches nothing.
 """
 from __future__ import annotations
 
@@ -34,24 +36,43 @@ def drain_weights(gain: np.ndarray, remaining: np.ndarray) -> np.ndarray:
     return passes / max(float(passes.max()), 1e-9)
 
 
+def could_beat(gain: np.ndarray, reach: np.ndarray, base: float, column: np.ndarray, rate: float,
+               weight: np.ndarray | None = None) -> bool:
+    """Whether any offers might be predicted faster than `rate`. Offers beat a rate only where tokens -
+    rate * time is positive (Dinkelbach), and two relaxations bound that from above: the chance that some
+    row reaches column j is at least the largest reach among the rows offered j, and each column may go to
+    any set of rows. Column j is then worth at most the best, over the rows' reaches as the largest, of
+    the weighted gain of the rows reaching no further less rate * column[j] * that reach (or nothing)."""
+    weight = np.ones(gain.shape[0]) if weight is None else weight
+    order, columns = np.argsort(reach, axis=0), np.arange(reach.shape[1])
+    worth = np.cumsum((weight[:, None] * gain)[order, columns], axis=0) - rate * column * reach[order, columns]
+    return weight.sum() - rate * base + np.maximum(worth.max(axis=0), 0.0).sum() > 0
+
+
 def pass_rates(offers: np.ndarray, gain: np.ndarray, reach: np.ndarray, base: float, column: np.ndarray,
                weight: np.ndarray | None = None) -> np.ndarray:
     """Predicted (weighted) tokens per second of offer vectors `offers` (..., n), for gain and reach (n, K),
     the time of a pass of width 1 `base`, the time `column` (K,) each further column adds and each row's
     worth `weight` (n,) (default 1)."""
     weight = np.ones(gain.shape[0]) if weight is None else weight
-    offered = np.arange(gain.shape[1]) < offers[..., None]
-    tokens = weight.sum() + (weight[:, None] * gain * offered).sum(axis=(-2, -1))
-    reached = 1.0 - np.prod(1.0 - reach * offered, axis=-2)
-    return tokens / (base + reached @ column)
+    return _rates(offers, weight[:, None] * gain, weight.sum(), reach, base, column)[0]
 
 
-def _best_responses(offers: np.ndarray, gain: np.ndarray, reach: np.ndarray, column: np.ndarray,
+def _rates(offers: np.ndarray, worth: np.ndarray, rows: float, reach: np.ndarray, base: float,
+           column: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """pass_rates, given each position's weighted gain `worth` and the rows' summed weight; also the
+    probability (..., n, K) that each row's draft does not reach each column, which the best responses reuse."""
+    offered = np.arange(worth.shape[1]) < offers[..., None]
+    miss = 1.0 - reach * offered
+    tokens = rows + (worth * offered).sum(axis=(-2, -1))
+    return tokens / (base + (1.0 - np.prod(miss, axis=-2)) @ column), miss
+
+
+def _best_responses(miss: np.ndarray, gain: np.ndarray, reach: np.ndarray, column: np.ndarray,
                     rate: np.ndarray) -> np.ndarray:
     """Every row's offer maximising tokens - rate * time with the other rows' offers held: position j
     is worth its gain less its share of the pass's expected cost, which is nothing where another row
-    surely reaches column j. offers (S, n), rate (S,)."""
-    miss = 1.0 - reach * (np.arange(gain.shape[1]) < offers[..., None])               # (S, n, K)
+    surely reaches column j. miss (S, n, K): the held offers' (see _rates), rate (S,)."""
     ones = np.ones_like(miss[:, :1])
     before = np.cumprod(np.concatenate([ones, miss[:, :-1]], axis=1), axis=1)
     after = np.cumprod(np.concatenate([ones, miss[:, :0:-1]], axis=1), axis=1)[:, ::-1]
@@ -65,14 +86,16 @@ def best_offers(gain: np.ndarray, reach: np.ndarray, base: float, column: np.nda
     """The offers (n,) with the highest predicted rate, and that rate."""
     n, width = gain.shape
     weight = np.ones(n) if weight is None else weight
+    worth, rows = weight[:, None] * gain, weight.sum()
     offers = np.repeat(np.arange(width + 1)[:, None], n, axis=1)                       # (S, n) uniform starts
-    rates = pass_rates(offers, gain, reach, base, column, weight)
+    rates, miss = _rates(offers, worth, rows, reach, base, column)
     for _ in range(rounds):
-        moved = _best_responses(offers, weight[:, None] * gain, reach, column, rates)
-        moved_rates = pass_rates(moved, gain, reach, base, column, weight)
+        moved = _best_responses(miss, worth, reach, column, rates)
+        moved_rates, moved_miss = _rates(moved, worth, rows, reach, base, column)
         better = moved_rates > rates * (1 + 1e-12)
         if not better.any():
             break
         offers, rates = np.where(better[:, None], moved, offers), np.where(better, moved_rates, rates)
+        miss = np.where(better[:, None, None], moved_miss, miss)
     best = int(rates.argmax())
     return offers[best], float(rates[best])

@@ -20,6 +20,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    controller_s: float = 0.0       # in the controller: choosing offers and the draft stop, observing each step
     other_s: float = 0.0            # the rest of generate()'s wall time: accepting, retiring, stop checks, planning
     attempted_by_position: np.ndarray = field(init=False)
     accepted_by_position: np.ndarray = field(init=False)
