@@ -18,17 +18,15 @@ from tqdm import tqdm
 from pipeline.config_file import load_config
 from pipeline.planner import plan_shards
 from workers.config import JobConfig
-from workers.engine.decoding_model import DecodingModel
 from workers.engine.generator import Request, SpeculativeGenerator
 from workers.learning import Sequence, committed_sequences, is_heldout
-from workers.models import load_model, load_tokenizer
 from workers.mtp_distill import (
     distill_head,
     expected_speedup,
     measure_costs,
 )
 from workers.mtp_head import head_parameters, save_head
-from workers.registry import Models, encode_prompt, make_generator, pick_device
+from workers.registry import Models, encode_prompt, load_models, make_generator, pick_device
 from workers.shard_io import InputRow, read_shard
 from workers.shard_runner import row_seed
 from workers.storage import absolute, list_files, safe_url
@@ -102,7 +100,9 @@ def collect(args: argparse.Namespace, config: JobConfig, models: Models, started
                 "max_new_tokens": g.max_new_tokens, "chat_template": g.chat_template,
                 "train_sequences": len(train_seqs), "heldout_sequences": len(held_seqs),
                 "train_completion_tokens": sum(len(c) for _, c in train_seqs),
-                "heldout_completion_tokens": sum(len(c) for _, c in held_seqs)}
+                "heldout_completion_tokens": sum(len(c) for _, c in held_seqs),
+                "mean_prompt_tokens": sum(len(p) for p, _ in train_seqs) / len(train_seqs),
+                "mean_completion_tokens": sum(len(c) for _, c in train_seqs) / len(train_seqs)}
     return train_seqs, held_seqs, workload
 
 
@@ -114,10 +114,10 @@ def run_distill(args: argparse.Namespace) -> int:
         print("error: say where the head goes: --out PATH (or model.draft with model.drafter: mtp)", file=sys.stderr)
         return 2
     budget, progress = args.minutes * 60, not args.quiet
-    m, options = config.model, config.input.storage_options
-    device = pick_device()
-    target = load_model(m.target, m.dtype, device, options, m.trust_remote_code)
-    models = Models(DecodingModel.prepare(target), load_tokenizer(m.target, options, m.trust_remote_code))
+    m, device = config.model, pick_device()
+    # The target as a worker prepares it (kernel choice included), so the speed estimate times the job's engine.
+    models: Models = load_models(config.model_copy(update={"model": m.model_copy(update={"drafter": "none"})}), device)
+    target = models.target.model
     try:
         train_seqs, held_seqs, workload = collect(args, config, models, started, budget)
     except (DistillError, FileNotFoundError) as exc:
@@ -141,9 +141,11 @@ def run_distill(args: argparse.Namespace) -> int:
     }
     report["speed"] = {}
     for rows in sorted({1, config.resources.batch_size}):
-        costs = measure_costs(head, models.target, rows)
+        costs = measure_costs(head, models.target, rows, round(workload["mean_prompt_tokens"]),
+                              round(workload["mean_completion_tokens"]))
         report["speed"][f"batch_{rows}"] = {
-            "draft_ms": 1e3 * costs["draft_s"], "verify_ms": {q: 1e3 * s for q, s in costs["verify_s"].items()},
+            "prefill_ms": 1e3 * costs["prefill_s"], "draft_ms": 1e3 * costs["draft_s"],
+            "verify_ms": {q: 1e3 * s for q, s in costs["verify_s"].items()},
             "expected": expected_speedup(report["heldout_accept_by_position"], costs)}
     report["minutes"]["total"] = (time.perf_counter() - started) / 60
     report["minutes"]["cpu_total"] = time.process_time() / 60  # CPU time of all threads: the machine's share
@@ -153,13 +155,18 @@ def run_distill(args: argparse.Namespace) -> int:
 
 
 def describe(report: dict, out: str) -> str:
-    alphas = ", ".join(f"{a:.2f}" for a in report["heldout_accept_by_position"])
+    numbers = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    w = report["workload"]
     lines = [f"MTP head for {report['target']['name']} saved to {safe_url(out)}",
              f"  {report['steps']} steps in {report['minutes']['total']:.1f} min "
-             f"({report['workload']['train_completion_tokens']} training completion tokens)",
-             f"  held-out acceptance by draft position: {alphas}"]
+             f"({w['train_completion_tokens']} training completion tokens); stopped: {report['stopped']}",
+             f"  held-out acceptance by draft position, conditional (of the drafts at position d whose positions "
+             f"1..d-1 were accepted, the share accepted): {numbers(report['heldout_accept_by_position'])}",
+             f"  held-out drafts reaching position d, unconditional (all of 1..d accepted): "
+             f"{numbers(report['heldout_reach_by_position'])}"]
     for name, speed in report["speed"].items():
         e = speed["expected"]
         lines.append(f"  {name.replace('_', ' ')}: draft/verify cost {e['cost_ratio']:.3f}, expected speed-up "
-                     f"{e['speedup']:.2f}x at k={e['k']}")
+                     f"{e['speedup']:.2f}x at k={e['k']} (warmed-up timings; {w['mean_prompt_tokens']:.0f}-token "
+                     f"prompts' prefill and {w['mean_completion_tokens']:.0f} new tokens a row)")
     return "\n".join(lines)

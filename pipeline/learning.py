@@ -92,6 +92,6 @@ class Learner:
 def _report_figures(files: dict[str, bytes]) -> dict:
     """What the summary repeats from a head's training report."""
     report = json.loads(files[HEAD_REPORT])
-    return {"steps": report.get("steps"), "train_sequences": report.get("workload", {}).get("train_sequences"),
+    return {"steps": report.get("steps"), "stopped": report.get("stopped"), "train_sequences": report.get("workload", {}).get("train_sequences"),
             "heldout_accept_by_position": [round(a, 3) for a in report.get("heldout_accept_by_position", [])
                                            if not math.isnan(a)]}  # nan: no draft reached that position

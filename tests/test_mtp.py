@@ -139,6 +139,14 @@ def test_distilled_head_beats_an_untrained_one(target, examples, reduced):
         assert head.logits(torch.zeros(1, target.config.hidden_size)).shape == (1, len(vocab))
 
 
+def test_training_stops_when_heldout_acceptance_stops_improving(target, examples):
+    """With a zero learning rate nothing improves: after `patience` evaluations training stops and says why."""
+    result = train(new_head(target), examples, examples[:4], TrainSettings(seconds=120, lr=0.0, batch_tokens=512,
+                                                                           eval_every_s=0.0, patience=2), progress=False)
+    assert result.steps == 3 and result.stopped.startswith("held-out acceptance stopped improving")
+    assert [point["step"] for point in result.curve] == [0, 1, 2, 3] and result.curve[0]["loss"] is None
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_save_load_round_trip(target, examples, tmp_path, s3, where, request):
     head = new_head(target, frequent_tokens(examples, 40), seed=1)
@@ -188,9 +196,15 @@ def test_distill_command_writes_a_loadable_head(model_dir, tmp_path, write_input
     assert report["steps"] == 20 and report["workload"]["heldout_sequences"] > 0
     assert report["workload"]["train_sequences"] + report["workload"]["heldout_sequences"] == 40
     assert len(report["heldout_accept_by_position"]) == 4 and report["curve"][-1]["step"] == 20
+    assert report["stopped"] == "step limit reached (20 steps)"
+    assert report["curve"][0] == {**report["curve"][0], "step": 0, "loss": None}, "no loss before the first step"
+    conditional, unconditional = report["heldout_accept_by_position"], report["heldout_reach_by_position"]
+    assert unconditional[0] == pytest.approx(conditional[0]) and unconditional[1] <= conditional[1] + 1e-9
+    assert unconditional[1] == pytest.approx(conditional[0] * conditional[1], abs=0.05)
     assert set(report["speed"]) == {"batch_1", "batch_4"}
-    assert report["speed"]["batch_1"]["expected"]["cost_ratio"] > 0
-    assert "saved to" in capsys.readouterr().out
+    assert report["speed"]["batch_1"]["expected"]["cost_ratio"] > 0 and report["speed"]["batch_4"]["prefill_ms"] > 0
+    out_text = capsys.readouterr().out
+    assert "saved to" in out_text and "stopped: step limit reached" in out_text and "conditional" in out_text
     from workers.models import load_model
 
     assert load_head(str(out), load_model(model_dir, "float32", torch.device("cpu"))).spec.draft_vocab <= 64

@@ -153,9 +153,11 @@ def _loss(head: MTPHead, batch: _Batch, depth: int, kl_weight: float, token_inde
 
 
 @torch.no_grad()
-def acceptance(head: MTPHead, examples: list[Example], positions: int = 4, batch_tokens: int = 4096) -> list[float]:
-    """Greedy acceptance at draft positions 1..positions: at position d, the fraction of anchors whose first
-    d - 1 drafts were all accepted whose d-th draft equals the target's greedy token."""
+def acceptance_counts(head: MTPHead, examples: list[Example], positions: int = 4,
+                      batch_tokens: int = 4096) -> tuple[list[int], list[int]]:
+    """(attempted, accepted) per draft position 1..positions, drafting greedily from every completion anchor:
+    position d is attempted where the first d - 1 drafts were all accepted, and accepted where its draft also
+    equals the target's greedy token."""
     attempted, accepted = [0] * positions, [0] * positions
     device = head.proj.weight.device
     for group in _batches(list(range(len(examples))), lambda i: len(examples[i].tokens), batch_tokens):
@@ -168,7 +170,21 @@ def acceptance(head: MTPHead, examples: list[Example], positions: int = 4, batch
             attempted[d - 1] += int(alive.sum())
             alive = alive & (guess == batch.greedy[:, d : d + anchors])
             accepted[d - 1] += int(alive.sum())
-    return [a / t if t else float("nan") for a, t in zip(accepted, attempted)]
+    return attempted, accepted
+
+
+def acceptance(head: MTPHead, examples: list[Example], positions: int = 4) -> list[float]:
+    """Conditional greedy acceptance at draft positions 1..positions: the share of drafts at position d that
+    are accepted, counting only anchors whose drafts 1..d-1 were accepted."""
+    return reach(head, examples, positions)[0]
+
+
+def reach(head: MTPHead, examples: list[Example], positions: int = 4) -> tuple[list[float], list[float]]:
+    """(conditional, unconditional) acceptance by position; unconditional: the share of all anchors whose
+    drafts 1..d are all accepted, i.e. how often a k-token draft yields at least d tokens."""
+    attempted, accepted = acceptance_counts(head, examples, positions)
+    conditional = [a / t if t else float("nan") for a, t in zip(accepted, attempted)]
+    return conditional, [a / attempted[0] if attempted[0] else float("nan") for a in accepted]
 
 
 @dataclass
@@ -181,6 +197,7 @@ class TrainSettings:
     kl_weight: float = 1.0
     eval_every_s: float = 60.0
     eval_examples: int = 64                 # held-out examples scored for the curve (all of them at the end)
+    patience: int = 3                       # evaluations without a better held-out acceptance before stopping
     seed: int = 0
 
 
@@ -188,65 +205,97 @@ class TrainSettings:
 class TrainResult:
     steps: int = 0
     seconds: float = 0.0
+    stopped: str = ""                                # why training ended
     curve: list[dict] = field(default_factory=list)  # {minutes, cpu_minutes, step, loss, heldout_accept_1}
+
+
+class _Progress:
+    """When training stops, and the curve: held-out acceptance at draft position 1, evaluated every
+    eval_every_s. The loss is a running mean of the training batches' losses; there is none before step 1."""
+
+    def __init__(self, head: MTPHead, probe: list[Example], settings: TrainSettings, clock_start: float, bar: tqdm):
+        self.head, self.probe, self.settings, self.clock_start, self.bar = head, probe, settings, clock_start, bar
+        self.started = self.last_eval = time.perf_counter()
+        self.result, self.loss, self.best, self.stale = TrainResult(), None, -1.0, 0
+
+    def step(self, loss: float) -> None:
+        self.result.steps += 1
+        self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
+        self.bar.update(1)
+        self.bar.set_postfix(self._postfix(), refresh=False)
+        if time.perf_counter() - self.last_eval >= self.settings.eval_every_s:
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        self.head.eval()
+        accept = acceptance(self.head, self.probe, positions=1)[0] if self.probe else float("nan")
+        self.head.train()
+        self.last_eval = time.perf_counter()
+        if self.result.steps and not math.isnan(accept):
+            self.best, self.stale = (accept, 0) if accept > self.best else (self.best, self.stale + 1)
+        self.result.curve.append({"minutes": (self.last_eval - self.clock_start) / 60,
+                                  "cpu_minutes": time.process_time() / 60, "step": self.result.steps,
+                                  "loss": self.loss, "heldout_accept_1": accept})
+        self.bar.set_postfix({**self._postfix(), "accept_1": f"{accept:.3f}"})
+
+    def _postfix(self) -> dict:
+        left = max(0.0, self.settings.seconds - (time.perf_counter() - self.started))
+        return {"left": f"{left / 60:.1f}min", **({} if self.loss is None else {"loss": f"{self.loss:.3f}"})}
+
+    def stop_reason(self) -> str | None:
+        s, r = self.settings, self.result
+        if time.perf_counter() - self.started >= s.seconds:
+            return f"time budget reached ({s.seconds / 60:.1f} min)"
+        if s.max_steps is not None and r.steps >= s.max_steps:
+            return f"step limit reached ({s.max_steps} steps)"
+        if s.patience and self.stale >= s.patience:
+            return (f"held-out acceptance stopped improving: best {self.best:.3f}, not beaten in the last "
+                    f"{self.stale} evaluations")
+        return None
+
+    def finish(self) -> TrainResult:
+        self.result.stopped = self.stop_reason() or "no training data"
+        if self.result.curve[-1]["step"] != self.result.steps:
+            self.evaluate()
+        self.result.seconds = time.perf_counter() - self.started
+        return self.result
 
 
 def train(head: MTPHead, examples: list[Example], heldout: list[Example], settings: TrainSettings,
           clock_start: float | None = None, progress: bool = True) -> TrainResult:
-    """AdamW on the head's own parameters until the time or step budget runs out. The curve's minutes count
-    from `clock_start` (the start of the whole distillation, data generation included); its cpu_minutes are
-    the process's CPU time, which says what the wall clock meant on a shared machine."""
-    started = time.perf_counter()
-    clock_start = started if clock_start is None else clock_start
+    """AdamW on the head's own parameters until the time or step budget runs out, or held-out acceptance
+    stops improving. The curve's minutes count from `clock_start` (the start of the whole distillation, data
+    generation included); its cpu_minutes are the process's CPU time, which says what the wall clock meant on
+    a shared machine."""
     rng = random.Random(settings.seed)
     device = head.proj.weight.device
     token_index = torch.full((head.spec.vocab_size,), -1, dtype=torch.long, device=device)
     ids = torch.arange(head.spec.vocab_size, device=device) if head.vocab_ids is None else head.vocab_ids
     token_index[ids] = torch.arange(len(ids), device=device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    probe = heldout[: settings.eval_examples]
-    result, smoothed, last_eval = TrainResult(), float("nan"), started
-
-    def evaluate() -> None:
-        head.eval()
-        accept = acceptance(head, probe, positions=1)[0] if probe else float("nan")
-        head.train()
-        result.curve.append({"minutes": (time.perf_counter() - clock_start) / 60,
-                             "cpu_minutes": time.process_time() / 60, "step": result.steps,
-                             "loss": smoothed, "heldout_accept_1": accept})
-        bar.set_postfix(loss=f"{smoothed:.3f}", accept_1=f"{accept:.3f}")
-
     head.train()
-    with tqdm(total=round(settings.seconds), unit="s", desc="distill", disable=not progress) as bar:
-        evaluate()
-        while True:
-            elapsed = time.perf_counter() - started
-            if elapsed >= settings.seconds or (settings.max_steps is not None and result.steps >= settings.max_steps):
-                break
+    with tqdm(total=settings.max_steps, unit="step", desc="distill", disable=not progress) as bar:
+        tracker = _Progress(head, heldout[: settings.eval_examples], settings,
+                            time.perf_counter() if clock_start is None else clock_start, bar)
+        tracker.evaluate()
+        while examples and tracker.stop_reason() is None:
             order = list(range(len(examples)))
             rng.shuffle(order)
             for group in _batches(order, lambda i: len(examples[i].tokens), settings.batch_tokens):
-                elapsed = time.perf_counter() - started
-                if elapsed >= settings.seconds or (settings.max_steps is not None and result.steps >= settings.max_steps):
+                if tracker.stop_reason() is not None:
                     break
+                elapsed = (time.perf_counter() - tracker.started) / max(settings.seconds, 1e-9)
                 for g in optimizer.param_groups:
-                    g["lr"] = settings.lr * _schedule(result.steps, elapsed / settings.seconds)
+                    g["lr"] = settings.lr * _schedule(tracker.result.steps, elapsed)
                 loss = _loss(head, _collate([examples[i] for i in group], settings.depth, device), settings.depth,
                              settings.kl_weight, token_index)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
                 optimizer.step()
-                result.steps += 1
-                smoothed = loss.item() if math.isnan(smoothed) else 0.9 * smoothed + 0.1 * loss.item()
-                bar.update(min(round(time.perf_counter() - started), bar.total) - bar.n)
-                bar.set_postfix(loss=f"{smoothed:.3f}", refresh=False)
-                if time.perf_counter() - last_eval >= settings.eval_every_s:
-                    evaluate()
-                    last_eval = time.perf_counter()
-        evaluate()
+                tracker.step(loss.item())
+        result = tracker.finish()
     head.eval()
-    result.seconds = time.perf_counter() - started
     return result
 
 
@@ -271,48 +320,68 @@ def distill_head(target: PreTrainedModel, name: str, train_seqs: list[tuple[list
         head.vocab_ids.copy_(vocab_ids)
     settings = TrainSettings(seconds=max(0.0, deadline - time.perf_counter()), max_steps=max_steps, depth=depth)
     result = train(head, examples, heldout, settings, clock_start=clock_start, progress=progress)
-    scores = {"heldout_accept_by_position": acceptance(head, heldout),
+    conditional, unconditional = reach(head, heldout)
+    scores = {"stopped": result.stopped, "heldout_accept_by_position": conditional,
+              "heldout_reach_by_position": unconditional,
               "train_accept_by_position": acceptance(head, examples[: len(heldout)])}
     return head, result, scores
 
 
 @torch.no_grad()
-def measure_costs(head: MTPHead, target: DecodingModel, rows: int, context: int = 128, max_q: int = 5,
-                  repeats: int = 7) -> dict:
-    """Median seconds of one head draft step (q = 1, logits and argmax included) and of one target verify
-    pass of q = 1..max_q tokens per row, for `rows` rows with `context` cached tokens, timed interleaved."""
+def measure_costs(head: MTPHead, target: DecodingModel, rows: int, prompt: int = 64, generated: int = 128,
+                  max_q: int = 5, repeats: int = 7, warmup: int = 2) -> dict:
+    """Median seconds, for `rows` rows of a `prompt`-token prompt generating `generated` tokens, of: the
+    prompt's prefill (the target's, then the head's over its states), one head draft step (logits and argmax
+    included) and one target verify pass of q = 1..max_q tokens per row with half the completion cached.
+    Each is run `warmup` times untimed first (first calls allocate and pick kernels), then timed interleaved."""
+    context = prompt + generated // 2
     capacity = context + max_q + 1
     lm, drafter, rows_t = CachedLM(target, rows, capacity), CachedHead(head, rows, capacity), draft_rows(head, target)
-    lm.prefill([[1] * (context + 1)] * rows, 0)
     hidden = torch.randn(rows, context, head.spec.hidden_size, dtype=drafter.dtype, device=drafter.device)
-    drafter.forward(hidden, torch.ones(rows, context, dtype=torch.long))
-    drafter.advance(torch.full((rows,), context))
-    step_in = (hidden[:, -1:], torch.ones(rows, 1, dtype=torch.long))
-    draft, verify = [], {q: [] for q in range(1, max_q + 1)}
-    for _ in range(repeats):
-        began = time.perf_counter()
-        head.logits(drafter.forward(*step_in), rows_t).argmax(-1).tolist()
-        draft.append(time.perf_counter() - began)
-        for q in verify:
+    ones = torch.ones(rows, context, dtype=torch.long)
+
+    def prefill() -> None:
+        lm.prefill([[1] * (prompt + 1)] * rows, 0)
+        drafter.lengths[:] = 0
+        drafter.forward(hidden[:, :prompt], ones[:, :prompt])
+
+    def fill_context() -> None:  # the cache at mid-completion, which the draft and verify steps read
+        lm.prefill([[1] * (context + 1)] * rows, 0)
+        drafter.lengths[:] = 0
+        drafter.forward(hidden, ones)
+        drafter.advance(torch.full((rows,), context))
+
+    step_in = (hidden[:, -1:], ones[:, -1:])
+    tasks = {"prefill": prefill, "draft": lambda: head.logits(drafter.forward(*step_in), rows_t).argmax(-1).tolist()}
+    tasks |= {q: (lambda q=q: lm.logits(torch.ones(rows, q, dtype=torch.long)).argmax(-1).tolist())
+              for q in range(1, max_q + 1)}
+    times: dict = {name: [] for name in tasks}
+    for round_ in range(warmup + repeats):
+        for name, task in tasks.items():
+            if name == "draft":
+                fill_context()
             began = time.perf_counter()
-            lm.logits(torch.ones(rows, q, dtype=torch.long)).argmax(-1).tolist()
-            verify[q].append(time.perf_counter() - began)
+            task()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - began)
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {"rows": rows, "context": context, "draft_s": median(draft),
-            "verify_s": {q: median(v) for q, v in verify.items()}}
+    return {"rows": rows, "prompt": prompt, "generated": generated, "prefill_s": median(times["prefill"]),
+            "draft_s": median(times["draft"]), "verify_s": {q: median(times[q]) for q in range(1, max_q + 1)}}
 
 
 def expected_speedup(alphas: list[float], costs: dict) -> dict:
-    """Leviathan et al.'s walltime gain with per-position acceptance: E(k) = 1 + sum_j prod_{i<=j} alpha_i
-    tokens per pass at a cost of k draft steps plus one verify of k + 1 tokens, against plain decoding."""
-    plain = costs["verify_s"][1]
+    """Leviathan et al.'s walltime gain with per-position (conditional) acceptance, for whole rows: a pass
+    yields E(k) = 1 + sum_j prod_{i<=j} alpha_i tokens at the cost of k draft steps plus one verify of k + 1
+    tokens; plain decoding yields one token per width-1 pass; both pay the prompt's prefill."""
+    prefill, generated, plain = costs["prefill_s"], costs["generated"], costs["verify_s"][1]
+    plain_row = prefill + generated * plain
     best = {"k": 0, "tokens_per_pass": 1.0, "speedup": 1.0}
     for k in range(1, len(costs["verify_s"])):
         tokens, survive = 1.0, 1.0
         for j in range(k):
             survive *= alphas[min(j, len(alphas) - 1)]
             tokens += survive
-        speedup = tokens * plain / (k * costs["draft_s"] + costs["verify_s"][k + 1])
+        speedup = plain_row / (prefill + generated / tokens * (k * costs["draft_s"] + costs["verify_s"][k + 1]))
         if speedup > best["speedup"]:
             best = {"k": k, "tokens_per_pass": tokens, "speedup": speedup}
     return {**best, "cost_ratio": costs["draft_s"] / plain}
