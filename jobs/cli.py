@@ -10,7 +10,7 @@ import sys
 from jobs.describe import describe
 from pipeline.config_file import ConfigError, load_config
 from pipeline.job_state import installed_version
-from workers.engine.costs import HARDWARE as HARDWARE_NAMES  # numpy only: the CLI stays light
+from workers.engine.costs import HARDWARE as HARDWARE_NAMES, load_shape  # numpy only: the CLI stays light
 
 
 EXIT_FAILED_ROWS = 3  # the job finished (_SUCCESS written) but more rows failed than output.max_failed_rows
@@ -155,15 +155,17 @@ def _plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     expected = (InputError, StorageError, FileNotFoundError)
     try:
+        if args.shape:
+            load_shape(args.shape, args.hardware)
         plan_job(config)  # the same fast checks as run, before torch loads
-    except expected as exc:
+    except (*expected, ValueError) as exc:
         return _error(exc)
     from jobs.plan import describe, make_plan, to_json
     from pipeline.report import PLAN_FILE
     from workers.storage import Store, join, safe_url
 
     try:
-        result = make_plan(config, args.sample, args.hardware, args.workers)
+        result = make_plan(config, args.sample, args.hardware, args.workers, args.shape)
     except (*expected, ValueError) as exc:
         return _error(exc)
     Store(config.output.path, config.output.storage_options).write_json(result, PLAN_FILE)  # the report shows it
@@ -245,6 +247,9 @@ def parser() -> argparse.ArgumentParser:
                       help="input rows in the pilot (default: 2%% of the input, at least 8)")
     plan.add_argument("--hardware", choices=sorted(HARDWARE_NAMES), default=None,
                       help="simulate on this accelerator (roofline of the target's shape; acceptance from the pilot)")
+    plan.add_argument("--shape", default=None, metavar="NAME|CONFIG.json",
+                      help="with --hardware: price passes for this model shape (configs/shapes: llama-3-8b, ...) "
+                           "instead of the target's; the target's pilot still gives acceptance and lengths")
     plan.add_argument("--workers", type=int, default=None, help="workers to divide the job among (default: the config's)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=_plan)

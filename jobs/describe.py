@@ -38,6 +38,8 @@ def learning_line(learning: dict) -> str:
         line += f", distilled in {learning['distill_s']:.0f}s beside generation"
     if learning.get("steps") is not None:
         line += f" ({learning['steps']} steps, stopped: {learning.get('stopped') or 'unknown'})"
+    if learning.get("expected_speedup") is not None:
+        line += f", expected {learning['expected_speedup']:.2f}x over plain decoding at k={learning['expected_k']}"
     if learning.get("heldout_accept_by_position"):
         line += ", held-out acceptance by position (conditional) " + " ".join(f"{a:.2f}" for a in learning["heldout_accept_by_position"])
     return line + (f": {learning['error']}" if "error" in learning else "")

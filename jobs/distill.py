@@ -159,7 +159,8 @@ def describe(report: dict, out: str) -> str:
     w = report["workload"]
     lines = [f"MTP head for {report['target']['name']} saved to {safe_url(out)}",
              f"  {report['steps']} steps in {report['minutes']['total']:.1f} min "
-             f"({w['train_completion_tokens']} training completion tokens); stopped: {report['stopped']}",
+             f"({w['train_completion_tokens']} training completion tokens); stopped: {report['stopped']}; kept the "
+             f"weights of step {report['kept_step']} (best held-out acceptance at position 1)",
              f"  held-out acceptance by draft position, conditional (of the drafts at position d whose positions "
              f"1..d-1 were accepted, the share accepted): {numbers(report['heldout_accept_by_position'])}",
              f"  held-out drafts reaching position d, unconditional (all of 1..d accepted): "

@@ -1,10 +1,12 @@
 """`specbatch plan CONFIG`: a job predicted before it runs, from a pilot on a uniform sample of its input.
 
 The pilot runs the config's own target and drafter over the sample on this machine, which gives what no
-formula knows: completion lengths and how often drafts are accepted, per position. An adaptive config's
-pilot drafts to max_k on every row (an adaptive pilot would measure deep positions only on the rows it
+formula knows: completion lengths and how often drafts are accepted, per position. Acceptance is measured
+as if drafting to max_k on every row (an adaptive pilot would measure deep positions only on the rows it
 chose to draft deep, an optimistic sample), so the conditional rate at each position prices every fixed
-k; adaptive k is predicted at the best of them, what the controller aims for.
+k; adaptive k is predicted at the best of them, what the controller aims for. A model-free drafter's
+drafts are replayed over the completions of a k = 0 pilot (jobs/draft_replay.py: exact, and a fraction
+of the compute); a model drafter's pilot drafts to max_k for real.
 Pass times come from the same cost model the controller uses: measured here by a short probe (rows x
 width, on prompts repeated from the sample, so prefix sharing makes their prefill nearly free), or,
 with `--hardware NAME`, the roofline of that accelerator for the target's shape (a simulation, and
@@ -14,6 +16,7 @@ drain at the end of every shard is counted too.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -24,11 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from jobs.bench.timing import timed
+from jobs.draft_replay import replay_fixed_k, replayable
 from pipeline.planner import Plan, plan_job
 from workers.config import JobConfig
 from workers.engine.cached_lm import CachedLM
-from workers.engine.costs import HARDWARE, Shape
+from workers.engine.costs import HARDWARE, Shape, load_shape
 from workers.shard_io import InputRow, read_shard
+from workers.engine.drafter import Drafter
 from workers.registry import make_generator
 from workers.shard_runner import ShardRunner
 
@@ -47,6 +52,7 @@ class Pilot:
     prefill_tok_s: float            # prompt tokens per second of prefill, shared prefixes included
     wall_s: float
     groups: dict[str, list[int]]    # category or task -> indexes of its requests
+    sequences: list[tuple[list[int], list[int]]]  # (prompt ids, completion ids) per request
 
 
 def sample_rows(config: JobConfig, plan: Plan, count: int) -> tuple[list[InputRow], list[int]]:
@@ -91,7 +97,19 @@ def run_pilot(runner: ShardRunner, rows: list[InputRow]) -> Pilot:
                  stats.generated_tokens / max(stats.row_passes, 1),
                  stats.accept_by_position,
                  (stats.draft_s + stats.controller_s + stats.other_s) / max(stats.row_passes, 1),
-                 stats.prompt_tokens / max(stats.prefill_s, 1e-9), time.perf_counter() - started, dict(groups))
+                 stats.prompt_tokens / max(stats.prefill_s, 1e-9), time.perf_counter() - started, dict(groups),
+                 [(r.prompt_ids, c.token_ids) for r, c in zip(requests, result.completions)])
+
+
+def with_replayed_drafts(pilot: Pilot, drafter: Drafter, max_k: int, max_new_tokens: int) -> Pilot:
+    """A k = 0 pilot priced as if it had drafted to max_k with `drafter` (model-free: see jobs/draft_replay.py)."""
+    started = time.perf_counter()
+    stats = replay_fixed_k(drafter, [p for p, _ in pilot.sequences], [c for _, c in pilot.sequences], max_k,
+                           max_new_tokens)
+    return dataclasses.replace(
+        pilot, tokens_per_row_pass=stats.generated_tokens / max(stats.row_passes, 1), accept=stats.accept_by_position,
+        overhead_per_row_pass_s=pilot.overhead_per_row_pass_s + stats.draft_s / max(stats.row_passes, 1),
+        wall_s=pilot.wall_s + time.perf_counter() - started)
 
 
 def probe_pass_times(runner: ShardRunner, prompts: list[list[int]], batches: list[int],
@@ -181,7 +199,10 @@ def predict(config: JobConfig, plan: Plan, pilot: Pilot, pass_s: PassTimes, work
     generated = statistics.fmean(pilot.tokens) * sum(out_rows) if pilot.tokens else 0.0
     decode_s, passes = replay(pilot.tokens or [1], out_rows, batch, per_row_pass, width, pass_s,
                               pilot.overhead_per_row_pass_s)
-    prefill_s = pilot.prompt_tokens * sum(out_rows) / pilot.prefill_tok_s
+    if pass_s.roofline is not None:  # a simulated device prefills a batch of prompts in one wide pass
+        prefill_s = math.ceil(sum(out_rows) / batch) * pass_s(batch, max(round(pilot.prompt_tokens), 1))
+    else:
+        prefill_s = pilot.prompt_tokens * sum(out_rows) / pilot.prefill_tok_s
     total_s = decode_s + prefill_s
     per_worker = total_s / max(min(workers, len(plan.shards)), 1)
     return {"output_rows": sum(out_rows), "generated_tokens": round(generated), "target_passes": passes,
@@ -190,31 +211,37 @@ def predict(config: JobConfig, plan: Plan, pilot: Pilot, pass_s: PassTimes, work
 
 
 def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None = None,
-              workers: int | None = None) -> dict:
+              workers: int | None = None, shape: str | None = None) -> dict:
     """Everything `specbatch plan` prints: the sample, the prediction at the config's settings, the options
-    (drafter and k, batch size) with their predicted speed, and the recommended settings."""
+    (drafter and k, batch size) with their predicted speed, and the recommended settings. With `hardware`,
+    passes are priced by that accelerator's roofline for the target's shape, or for `shape` (a bigger model
+    whose acceptance the config's own target stands in for)."""
     started = time.perf_counter()
+    shape_name, shape_config = load_shape(shape, hardware) if shape else (None, None)
     plan = plan_job(config)
     runner = ShardRunner(config)
     spec = config.speculation
     max_k = spec.max_k if spec.k == "adaptive" else int(spec.k)
-    if spec.k == "adaptive":
-        runner.generator = make_generator(config.model_copy(update={"speculation": spec.model_copy(update={"k": max_k})}),
-                                          runner.models)
+    drafter = runner.generator.drafter
+    replay = max_k > 0 and replayable(drafter)
+    runner.generator = make_generator(config.model_copy(update={"speculation": spec.model_copy(
+        update={"k": 0 if replay else max_k})}), runner.models)
     known = plan.total_rows if plan.total_rows is not None else config.sharding.rows_per_shard * len(plan.shards)
     count = sample or max(8, math.ceil(0.02 * known))
     rows, shard_rows = sample_rows(config, plan, count)
     if not rows:
         raise ValueError(f"{config.input.path}: no usable rows to sample")
     pilot = run_pilot(runner, rows)
+    if replay:
+        pilot = with_replayed_drafts(pilot, drafter, max_k, config.generation.max_new_tokens)
     workers = workers or (config.resources.workers if isinstance(config.resources.workers, int) else 1)
     batches = sorted({b for b in BATCH_SIZES if b <= max(config.resources.batch_size, 1)} | {config.resources.batch_size})
     widths = sorted({1, 2, 3, 5, max_k + 1})
     if hardware:
         profile = HARDWARE[hardware]
-        shape = Shape.of(runner.models.target.config)
+        simulated = Shape.of(shape_config or runner.models.target.config)
         context = pilot.prompt_tokens + statistics.fmean(pilot.tokens) / 2
-        pass_s = PassTimes(roofline=lambda n, w: shape.pass_s(profile, n, w, context))
+        pass_s = PassTimes(roofline=lambda n, w: simulated.pass_s(profile, n, w, context))
         batches = sorted(set(BATCH_SIZES + (64, 128, 256)) | {config.resources.batch_size})
     else:
         prompts = [r.prompt_ids for r in runner.requests(rows)[0]]
@@ -245,11 +272,12 @@ def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None
     if price is not None:
         predicted["cost"] = price * predicted["generating_s"] * predicted["workers"] / 3600
     return {"config": config.name, "settings": {"k": spec.k, "batch_size": config.resources.batch_size,
-                                                "predicted_as_k": chosen["k"]}, "simulated_on": hardware, "measured_on": str(runner.device) if not hardware else None,
+                                                "predicted_as_k": chosen["k"]}, "simulated_on": hardware,
+            "simulated_shape": shape_name or (config.model.target if hardware else None), "measured_on": str(runner.device) if not hardware else None,
             "sample": {"rows": len(rows), "requests": len(pilot.tokens), "mean_generated_tokens":
                        statistics.fmean(pilot.tokens), "tokens_per_row_pass": pilot.tokens_per_row_pass,
                        "accept_by_position": [None if math.isnan(a) else a for a in pilot.accept],
-                       "pilot_s": pilot.wall_s},
+                       "pilot_s": pilot.wall_s, "drafts": "replayed over a k = 0 pilot" if replay else "drafted"},
             "predicted": predicted, "options": options, "by_batch_size": by_batch, "recommended": recommended,
             "categories": _categories(pilot), "plan_s": time.perf_counter() - started}
 
@@ -266,8 +294,9 @@ def _categories(pilot: Pilot) -> list[dict]:
 def describe(result: dict) -> str:
     """The plan as a user reads it in a terminal."""
     p, s, r = result["predicted"], result["sample"], result["recommended"]
-    where = (f"SIMULATED for {result['simulated_on']} (roofline model of the target's shape, acceptance measured "
-             f"on the sample; not a measurement)" if result["simulated_on"] else f"measured on {result['measured_on']}")
+    where = (f"SIMULATED for {result['simulated_on']} (roofline model of a {result['simulated_shape']}-shaped target, "
+             f"acceptance and lengths measured on the sample with the config's target; a model, not a measurement)"
+             if result["simulated_on"] else f"measured on {result['measured_on']}")
     lines = [f"plan for {result['config']}: {where}",
              f"sample: {s['rows']} rows ({s['requests']} requests), {s['mean_generated_tokens']:.1f} tokens each, "
              f"{s['tokens_per_row_pass']:.2f} tokens per row pass; pilot {s['pilot_s']:.1f} s",

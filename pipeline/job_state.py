@@ -34,7 +34,7 @@ _RUN_ONLY_KEYS = ("storage_options", "max_failed_rows", "step", "limit")  # mode
 # wherever the output is provably drafter-invariant (see drafter_invariant).
 DRAFTER_KEYS = ("model.drafter", "model.draft", "speculation.k", "speculation.max_k", "speculation.ngram_size",
                 "speculation.suffix_max_tokens", "speculation.learn", "speculation.learn_after_rows",
-                "speculation.learn_minutes")
+                "speculation.learn_minutes", "speculation.learn_min_speedup")
 
 
 class OutputConflict(RuntimeError):

@@ -38,8 +38,11 @@ class Learner:
         self.info: dict = {}  # the summary's "learning"
         if self.enabled and store.exists(*LEARNED_HEAD, HEAD_CONFIG):
             files = read_head_files(self.url, config.output.storage_options)
-            self.head = HeadBroadcast(1, ray.put(files))
-            self.info = {"status": "resumed with the saved head", **_report_figures(files)}
+            if self._pays(files):
+                self.head = HeadBroadcast(1, ray.put(files))
+                self.info = {"status": "resumed with the saved head", **_report_figures(files)}
+            else:
+                self.info = {"status": "kept the configured drafters (the saved head does not pay)", **_report_figures(files)}
 
     @property
     def finishing_slice(self) -> bool:
@@ -78,8 +81,18 @@ class Learner:
             log.warning("learning failed; the job goes on with its configured drafters: %s", exc)
             self.info.update(status="failed", error=str(exc), distill_s=seconds)
             return
+        self.info.update(head=self.url, distill_s=seconds, **_report_figures(files))
+        if not self._pays(files):  # drafting with it would not speed the job up: keep the configured drafters
+            self.info.update(status="kept the configured drafters (the head does not pay)")
+            return
         self.head = HeadBroadcast(1, ref)
-        self.info.update(status="switched", head=self.url, distill_s=seconds, **_report_figures(files))
+        self.info.update(status="switched")
+
+    def _pays(self, files: dict[str, bytes]) -> bool:
+        """Whether the head's expected speed-up (at least 1: k = 0 is among the choices) beats
+        speculation.learn_min_speedup (unknown: yes)."""
+        expected = (json.loads(files[HEAD_REPORT]).get("expected") or {}).get("speedup")
+        return expected is None or expected > self.config.speculation.learn_min_speedup
 
     def stop(self) -> None:
         """The job ended first: stop a distillation still running."""
@@ -92,6 +105,8 @@ class Learner:
 def _report_figures(files: dict[str, bytes]) -> dict:
     """What the summary repeats from a head's training report."""
     report = json.loads(files[HEAD_REPORT])
-    return {"steps": report.get("steps"), "stopped": report.get("stopped"), "train_sequences": report.get("workload", {}).get("train_sequences"),
+    expected = report.get("expected") or {}
+    return {"steps": report.get("steps"), "stopped": report.get("stopped"), "expected_speedup": expected.get("speedup"),
+            "expected_k": expected.get("k"), "train_sequences": report.get("workload", {}).get("train_sequences"),
             "heldout_accept_by_position": [round(a, 3) for a in report.get("heldout_accept_by_position", [])
                                            if not math.isnan(a)]}  # nan: no draft reached that position

@@ -17,7 +17,7 @@ from pipeline.planner import plan_shards
 from tests.pipeline_helpers import assert_exactly_once, make_config, prompts, read_output, shard
 from workers.model_paths import HEAD_CONFIG, HEAD_REPORT
 from workers.shard_runner import ShardRunner
-from workers.storage import exists, join
+from workers.storage import exists, join, read_bytes
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("local_ray")]
 
@@ -72,17 +72,21 @@ def test_a_learning_job_saves_its_head_and_the_whole_job_drafts_with_it(model_di
     rows = prompts(16)
     write_input(str(tmp_path / "in.parquet"), rows)
     learning = {"learn": "mtp", "learn_after_rows": 8, "learn_minutes": 0.1}
-    common = dict(model={"drafter": ["suffix", "ngram"]}, speculation=learning, sharding={"rows_per_shard": 2})
-    first = make_config(model_dir, str(tmp_path / "in.parquet"), str(tmp_path / "o"), input={"limit": 8}, **common)
-    summary = run_job(first, progress=False)
-    assert summary["learning"]["status"] == "switched", summary["learning"]
+    common = dict(model={"drafter": ["suffix", "ngram"]}, sharding={"rows_per_shard": 2})
+    first = make_config(model_dir, str(tmp_path / "in.parquet"), str(tmp_path / "o"), input={"limit": 8},
+                        speculation={**learning, "learn_min_speedup": 100.0}, **common)
+    summary = run_job(first, progress=False)  # no head is expected to give 100x: the workers keep their drafters
+    assert summary["learning"]["status"] == "kept the configured drafters (the head does not pay)", summary["learning"]
+    assert summary["learning"]["expected_speedup"] >= 1.0
     head = join(first.output.path, "drafters", "mtp")
     assert exists(join(head, HEAD_CONFIG)) and exists(join(head, HEAD_REPORT))
+    assert json.loads(read_bytes(join(head, HEAD_REPORT)))["expected"]["batch_size"] == first.resources.batch_size
 
     whole = make_config(model_dir, str(tmp_path / "in.parquet"), str(tmp_path / "o"), resources={"workers": 2},
-                        **common)
+                        speculation={**learning, "learn_min_speedup": 0.0}, **common)
     summary = run_job(whole, progress=False)  # as after a driver killed mid-job: the head is on disk
     assert summary["learning"]["status"] == "resumed with the saved head"
+    assert any(c.startswith("speculation.learn_min_speedup: 100.0 -> 0.0") for c in summary["resumed_with_changes"])
     stats = json.loads((tmp_path / "o" / "summary.json").read_text())["job"]
     assert stats["rows"] == 16
     parts = [json.loads(p.read_text()) for p in (tmp_path / "o" / "stats" / "parts").glob("*.json")]

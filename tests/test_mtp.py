@@ -23,6 +23,7 @@ from workers.engine.generator import GenerationSettings, Request, SpeculativeGen
 from workers.engine.mtp_drafter import CachedHead, MTPDrafter
 from workers.engine.sampling import SamplingParams
 from workers.mtp_distill import (
+    Example,
     TrainSettings,
     _collate,
     acceptance,
@@ -68,11 +69,21 @@ def examples(tok, target):
 def trained(target, examples):
     """Heads distilled for a few seconds: full vocabulary and a reduced one."""
     heads = {}
-    for name, vocab in (("full", None), ("reduced", frequent_tokens(examples, 160))):
+    for name, vocab in (("full", None), ("reduced", frequent_tokens(examples, 160, target.config.vocab_size))):
         heads[name] = new_head(target, vocab)
         train(heads[name], examples, examples[:4], TrainSettings(seconds=120, max_steps=100, batch_tokens=512,
                                                                   eval_every_s=1e9), progress=False)
     return heads
+
+
+def test_the_draft_vocabulary_ranks_completions_then_prompts_then_fills_with_low_ids():
+    ids = lambda xs: torch.tensor(xs)  # noqa: E731
+    rows = [Example(ids([50, 60, 60, 7, 7, 7]), torch.zeros(6, 2), ids([0] * 6), start=3),  # completion 7 7 7
+            Example(ids([60, 9, 8, 8]), torch.zeros(4, 2), ids([0] * 4), start=2)]           # completion 8 8
+    assert frequent_tokens(rows, 2, 100).tolist() == [7, 8]
+    assert frequent_tokens(rows, 3, 100).tolist() == [7, 8, 60]          # then the prompts' most frequent
+    assert frequent_tokens(rows, 7, 100).tolist() == [0, 1, 7, 8, 9, 50, 60]  # then the lowest ids not in
+    assert frequent_tokens(rows, 0, 100) is None and frequent_tokens(rows, 100, 100) is None
 
 
 def new_head(target, draft_vocab: torch.Tensor | None = None, seed: int = 0) -> MTPHead:
@@ -126,7 +137,7 @@ def test_training_unroll_matches_chained_drafting(target, examples):
 
 @pytest.mark.parametrize("reduced", [False, True])
 def test_distilled_head_beats_an_untrained_one(target, examples, reduced):
-    vocab = frequent_tokens(examples, 160) if reduced else None
+    vocab = frequent_tokens(examples, 160, target.config.vocab_size) if reduced else None
     head = new_head(target, vocab)
     before = acceptance(head, examples)
     result = train(head, examples, examples[:4], TrainSettings(seconds=120, max_steps=150, batch_tokens=512,
@@ -144,12 +155,22 @@ def test_training_stops_when_heldout_acceptance_stops_improving(target, examples
     result = train(new_head(target), examples, examples[:4], TrainSettings(seconds=120, lr=0.0, batch_tokens=512,
                                                                            eval_every_s=0.0, patience=2), progress=False)
     assert result.steps == 3 and result.stopped.startswith("held-out acceptance stopped improving")
+    assert result.kept_step == 1  # no evaluation beat the first one after training began
     assert [point["step"] for point in result.curve] == [0, 1, 2, 3] and result.curve[0]["loss"] is None
+
+
+def test_training_keeps_the_weights_with_the_best_heldout_acceptance(target, examples):
+    head, probe = new_head(target), examples[30:]
+    result = train(head, examples[:30], probe, TrainSettings(seconds=120, max_steps=25, lr=3e-3, batch_tokens=256,
+                                                             eval_every_s=0.0, patience=0), progress=False)
+    best = max(point["heldout_accept_1"] for point in result.curve[1:])
+    assert acceptance(head, probe, positions=1)[0] == pytest.approx(best)
+    assert result.curve[[p["step"] for p in result.curve].index(result.kept_step)]["heldout_accept_1"] == pytest.approx(best)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_save_load_round_trip(target, examples, tmp_path, s3, where, request):
-    head = new_head(target, frequent_tokens(examples, 40), seed=1)
+    head = new_head(target, frequent_tokens(examples, 40, target.config.vocab_size), seed=1)
     url, options = str(tmp_path / "head"), None
     if where == "s3":
         url, options = request.getfixturevalue("s3_bucket") + "/heads/tiny", s3.storage_options

@@ -68,6 +68,15 @@ def test_plan_predicts_the_jobs_tokens(model_dir, tmp_path, write_input, write_y
     text = capsys.readouterr().out
     assert f"saved: {tmp_path / 'out' / 'plan.json'}" in text
     assert "SIMULATED for h200" in text and "not a measurement" in text and "| batch size |" in text
+    simulated = {}
+    for shape in (None, "llama-3-8b"):
+        assert main(["plan", job, "--sample", "8", "--hardware", "h200", "--json"] + (["--shape", shape] if shape else [])) == 0
+        simulated[shape] = json.loads(capsys.readouterr().out)
+    assert simulated[None]["simulated_shape"] == model_dir and simulated["llama-3-8b"]["simulated_shape"] == "llama-3-8b"
+    tiny, big = (simulated[s]["predicted"] for s in (None, "llama-3-8b"))
+    assert big["generated_tokens"] == tiny["generated_tokens"]  # lengths come from the pilot; only pass prices change
+    # an 8B pass reads ~16 GB: 3.3 ms on an H200 against the fixed per-pass overhead of a tiny one
+    assert big["prefill_s"] > 2 * tiny["prefill_s"] and big["generating_s"] > tiny["generating_s"]
 
 
 def test_plan_fails_fast_like_run(model_dir, tmp_path, write_yaml, capsys):
@@ -76,3 +85,8 @@ def test_plan_fails_fast_like_run(model_dir, tmp_path, write_yaml, capsys):
     assert "missing.parquet" in capsys.readouterr().err
     assert main(["plan", write_yaml(config), "--set", "resources.batch_size=0"]) == 2
     assert "batch_size" in capsys.readouterr().err
+    assert main(["plan", write_yaml(config), "--shape", "llama-3-8b"]) == 1
+    assert "--shape prices passes of another model's shape: it needs --hardware" in capsys.readouterr().err
+    assert main(["plan", write_yaml(config), "--hardware", "h200", "--shape", "llama-9"]) == 1
+    err = capsys.readouterr().err
+    assert "--shape llama-9: no such file" in err and "llama-3-8b" in err

@@ -213,6 +213,10 @@ class SpeculationConfig(_Section):
     learn_after_rows: int = Field(256, ge=8, description="output rows committed before the head is distilled")
     learn_minutes: float = Field(5.0, gt=0, description=(
         "wall-clock budget of the distillation (it runs beside generation, as a Ray task)"))
+    learn_min_speedup: float = Field(1.0, ge=0, description=(
+        "workers switch to the learnt head only when its expected speed-up over plain decoding at the job's "
+        "batch size (held-out acceptance and measured draft and verify costs; in the head's report) exceeds "
+        "this; 0 switches whatever it is"))
 
     @model_validator(mode="after")
     def _k_within_max(self) -> SpeculationConfig:

@@ -21,7 +21,8 @@ import torch
 from workers.config import JobConfig
 from workers.model_paths import read_head_files
 from workers.models import load_model, load_tokenizer
-from workers.mtp_distill import distill_head
+from workers.engine.decoding_model import DecodingModel
+from workers.mtp_distill import distill_head, expected_speedup, measure_costs
 from workers.mtp_head import head_parameters, save_head
 from workers.registry import encode_prompt, pick_device
 from workers.shard_io import InputRow
@@ -54,9 +55,16 @@ def committed_sequences(urls: list[str], config: JobConfig, tokenizer) -> list[t
     return found
 
 
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / max(len(values), 1)
+
+
 def learn_head(config_json: dict, data_urls: list[str], out_url: str, cpus: float) -> dict[str, bytes]:
     """Distil a head for the job's target from the completions in `data_urls` within
-    speculation.learn_minutes (loading included), save it at `out_url` and return its files."""
+    speculation.learn_minutes (loading included), save it at `out_url` and return its files. Its report's
+    `expected` is the speed-up over plain decoding that drafting with it at the job's batch size should give,
+    from its held-out acceptance and the measured costs of a draft step and of verify passes."""
     started = time.perf_counter()
     config = JobConfig.model_validate(config_json)
     torch.set_num_threads(max(1, math.ceil(cpus)))
@@ -70,6 +78,10 @@ def learn_head(config_json: dict, data_urls: list[str], out_url: str, cpus: floa
     if not split:  # too few prompts to hold some out: score on training rows, and the report says so
         train = held = train or held
     head, result, scores = distill_head(target, m.target, train, held, started + budget * (1 - _FINAL_SHARE))
+    rows = config.resources.batch_size
+    costs = measure_costs(head, DecodingModel.prepare(target), rows, round(_mean(len(p) for p, _ in train)),
+                          round(_mean(len(c) for _, c in train)))
+    expected = {"batch_size": rows, **expected_speedup(scores["heldout_accept_by_position"], costs)}
     report = {"target": {"name": m.target, "dtype": str(target.dtype).removeprefix("torch."),
                          "device": str(target.device)},
               "workload": {"config": config.name, "source": f"job output {safe_url(config.output.path)}",
@@ -77,7 +89,7 @@ def learn_head(config_json: dict, data_urls: list[str], out_url: str, cpus: floa
                            "train_completion_tokens": sum(len(c) for _, c in train)},
               "head": {"layers": head.spec.n_layers, "draft_vocab": head.spec.draft_vocab or head.spec.vocab_size,
                        "parameters": head_parameters(head)},
-              "steps": result.steps, "curve": result.curve, **scores,
+              "steps": result.steps, "curve": result.curve, **scores, "expected": expected,
               "minutes": {"training": result.seconds / 60, "total": (time.perf_counter() - started) / 60}}
     save_head(head, out_url, report, config.output.storage_options)
     return read_head_files(out_url, config.output.storage_options)

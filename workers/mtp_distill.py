@@ -71,13 +71,19 @@ def _batches(order: list[int], length, budget: int) -> list[list[int]]:
     return groups + [current] if current else groups
 
 
-def frequent_tokens(examples: list[Example], size: int) -> torch.Tensor | None:
-    """The `size` most frequent completion tokens as sorted ids (every token seen when fewer); None for size 0,
-    which means the full vocabulary."""
-    if size <= 0:
+def frequent_tokens(examples: list[Example], size: int, vocab_size: int) -> torch.Tensor | None:
+    """A draft vocabulary of `size` sorted ids: the completions' tokens by frequency, then the prompts', then
+    the lowest ids not yet in (a BPE tokenizer numbers its merges in the order it learnt them, most common
+    first), so a head distilled from a few rows can still draft tokens those rows never used. None for size 0
+    or at least the whole vocabulary, which means the full vocabulary."""
+    if size <= 0 or size >= vocab_size:
         return None
-    counts = Counter(t for e in examples for t in e.tokens[e.start :].tolist())
-    return torch.tensor(sorted(t for t, _ in counts.most_common(size)))
+    completions = Counter(t for e in examples for t in e.tokens[e.start :].tolist())
+    prompts = Counter(t for e in examples for t in e.tokens[: e.start].tolist())
+    ranked = sorted(completions.keys() | prompts.keys(), key=lambda t: (-completions[t], -prompts[t], t))[:size]
+    chosen = set(ranked)
+    filler = (t for t in range(vocab_size) if t not in chosen)
+    return torch.tensor(sorted(ranked + [next(filler) for _ in range(size - len(ranked))]))
 
 
 @dataclass
@@ -206,6 +212,7 @@ class TrainResult:
     steps: int = 0
     seconds: float = 0.0
     stopped: str = ""                                # why training ended
+    kept_step: int = 0                               # the step whose weights were kept (best held-out acceptance)
     curve: list[dict] = field(default_factory=list)  # {minutes, cpu_minutes, step, loss, heldout_accept_1}
 
 
@@ -217,6 +224,7 @@ class _Progress:
         self.head, self.probe, self.settings, self.clock_start, self.bar = head, probe, settings, clock_start, bar
         self.started = self.last_eval = time.perf_counter()
         self.result, self.loss, self.best, self.stale = TrainResult(), None, -1.0, 0
+        self.best_state: dict[str, torch.Tensor] | None = None
 
     def step(self, loss: float) -> None:
         self.result.steps += 1
@@ -232,7 +240,11 @@ class _Progress:
         self.head.train()
         self.last_eval = time.perf_counter()
         if self.result.steps and not math.isnan(accept):
-            self.best, self.stale = (accept, 0) if accept > self.best else (self.best, self.stale + 1)
+            if accept > self.best:
+                self.best, self.stale, self.result.kept_step = accept, 0, self.result.steps
+                self.best_state = {k: v.detach().clone() for k, v in self.head.state_dict().items()}
+            else:
+                self.stale += 1
         self.result.curve.append({"minutes": (self.last_eval - self.clock_start) / 60,
                                   "cpu_minutes": time.process_time() / 60, "step": self.result.steps,
                                   "loss": self.loss, "heldout_accept_1": accept})
@@ -254,9 +266,15 @@ class _Progress:
         return None
 
     def finish(self) -> TrainResult:
+        """Stop, and keep the weights of the evaluation with the best held-out acceptance (the last ones when
+        they are as good, or when nothing was held out): a head trained on a job's first rows overfits them."""
         self.result.stopped = self.stop_reason() or "no training data"
         if self.result.curve[-1]["step"] != self.result.steps:
             self.evaluate()
+        if self.best_state is not None and self.result.kept_step != self.result.steps:
+            self.head.load_state_dict(self.best_state)
+        elif self.best_state is None:
+            self.result.kept_step = self.result.steps
         self.result.seconds = time.perf_counter() - self.started
         return self.result
 
@@ -313,7 +331,7 @@ def distill_head(target: PreTrainedModel, name: str, train_seqs: list[tuple[list
     `specbatch distill` and a learning job (workers/learning.py) both distil with this."""
     examples = target_features(target, train_seqs, progress=progress)
     heldout = target_features(target, held_seqs, progress=progress)
-    vocab_ids = frequent_tokens(examples, draft_vocab)
+    vocab_ids = frequent_tokens(examples, draft_vocab, target.config.vocab_size)
     spec = HeadSpec.for_target(target, name, layers, 0 if vocab_ids is None else len(vocab_ids))
     head = MTPHead(spec, target).to(target.device)
     if vocab_ids is not None:
@@ -321,7 +339,7 @@ def distill_head(target: PreTrainedModel, name: str, train_seqs: list[tuple[list
     settings = TrainSettings(seconds=max(0.0, deadline - time.perf_counter()), max_steps=max_steps, depth=depth)
     result = train(head, examples, heldout, settings, clock_start=clock_start, progress=progress)
     conditional, unconditional = reach(head, heldout)
-    scores = {"stopped": result.stopped, "heldout_accept_by_position": conditional,
+    scores = {"stopped": result.stopped, "kept_step": result.kept_step, "heldout_accept_by_position": conditional,
               "heldout_reach_by_position": unconditional,
               "train_accept_by_position": acceptance(head, examples[: len(heldout)])}
     return head, result, scores

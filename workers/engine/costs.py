@@ -10,8 +10,11 @@ peak / bandwidth x bytes per parameter / 2 (about a hundred tokens on an H100).
 from __future__ import annotations
 
 import bisect
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -32,6 +35,22 @@ HARDWARE = {h.name: h for h in (
     Hardware("a100", 2.04e12, 312e12),   # A100 SXM 80 GB datasheet
     Hardware("l4", 0.30e12, 121e12),     # L4 24 GB datasheet
 )}
+
+SHAPES = Path(__file__).resolve().parents[2] / "configs" / "shapes"  # model configs to simulate (plan --shape)
+
+
+def load_shape(name: str, hardware: str | None) -> tuple[str, SimpleNamespace]:
+    """A model shape to simulate on `hardware`: configs/shapes/NAME.json or a path to a model's config.json."""
+    if not hardware:
+        raise ValueError("--shape prices passes of another model's shape: it needs --hardware NAME")
+    path = Path(name) if Path(name).is_file() else SHAPES / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in SHAPES.glob("*.json")))
+        raise ValueError(f"--shape {name}: no such file, and not one of the shapes in configs/shapes ({known})")
+    try:
+        return path.stem, SimpleNamespace(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"--shape {path}: not a model config JSON object ({exc})") from None
 
 
 @dataclass(frozen=True)
