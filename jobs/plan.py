@@ -260,14 +260,17 @@ def make_plan(config: JobConfig, sample: int | None = None, hardware: str | None
     predicted = predict(config, plan, pilot, pass_s, workers, shard_rows, per_row_pass=chosen["tokens_per_row_pass"],
                         width=chosen["k"] + 1)
     by_batch = []
-    for b in batches:
-        result = predict(config, plan, pilot, pass_s, workers, shard_rows, batch=b,
-                         per_row_pass=best["tokens_per_row_pass"], width=best["k"] + 1)
-        by_batch.append({"batch_size": b, "generating_s": result["generating_s"], "tokens_per_s": result["tokens_per_s"]})
+    for b in batches:  # each batch size at its own best k: wide passes are nearly free where memory-bound only
+        runs = [predict(config, plan, pilot, pass_s, workers, shard_rows, batch=b,
+                        per_row_pass=o["tokens_per_row_pass"], width=o["k"] + 1) for o in options]
+        i = min(range(len(runs)), key=lambda j: runs[j]["generating_s"])
+        by_batch.append({"batch_size": b, "k": options[i]["k"], "generating_s": runs[i]["generating_s"],
+                         "tokens_per_s": runs[i]["tokens_per_s"],
+                         "speedup_vs_k0": runs[0]["generating_s"] / runs[i]["generating_s"] if runs[i]["generating_s"] else 0.0})
     fastest = min(by_batch, key=lambda r: r["generating_s"])
-    recommended = {"model.drafter": best["drafter"], "speculation.k": best["k"],
-                   "resources.batch_size": fastest["batch_size"],
-                   "predicted_speedup_vs_k0": best["speedup"]}
+    recommended = {"model.drafter": "none" if fastest["k"] == 0 else _drafter_name(config),
+                   "speculation.k": fastest["k"], "resources.batch_size": fastest["batch_size"],
+                   "predicted_speedup_vs_k0": fastest["speedup_vs_k0"]}
     price = config.resources.price_per_worker_hour
     if price is not None:
         predicted["cost"] = price * predicted["generating_s"] * predicted["workers"] / 3600
@@ -306,8 +309,9 @@ def describe(result: dict) -> str:
              "", "| drafter | k | tokens/row pass | generating s | speed-up vs k=0 |", "|---|---|---|---|---|"]
     lines += [f"| {o['drafter']} | {o['k']} | {o['tokens_per_row_pass']:.2f} | {o['generating_s']:.1f} | {o['speedup']:.2f} |"
               for o in result["options"]]
-    lines += ["", "| batch size | generating s | tokens/s |", "|---|---|---|"]
-    lines += [f"| {b['batch_size']} | {b['generating_s']:.1f} | {b['tokens_per_s']:.0f} |" for b in result["by_batch_size"]]
+    lines += ["", "| batch size | best k | generating s | tokens/s | speed-up vs k=0 |", "|---|---|---|---|---|"]
+    lines += [f"| {b['batch_size']} | {b['k']} | {b['generating_s']:.1f} | {b['tokens_per_s']:.0f} | {b['speedup_vs_k0']:.2f} |"
+              for b in result["by_batch_size"]]
     if result["categories"]:
         lines += ["", "| category | sampled requests | mean tokens |", "|---|---|---|"]
         lines += [f"| {c['category']} | {c['requests']} | {c['mean_generated_tokens']:.1f} |" for c in result["categories"]]
