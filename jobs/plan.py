@@ -200,7 +200,8 @@ def predict(config: JobConfig, plan: Plan, pilot: Pilot, pass_s: PassTimes, work
     decode_s, passes = replay(pilot.tokens or [1], out_rows, batch, per_row_pass, width, pass_s,
                               pilot.overhead_per_row_pass_s)
     if pass_s.roofline is not None:  # a simulated device prefills a batch of prompts in one wide pass
-        prefill_s = math.ceil(sum(out_rows) / batch) * pass_s(batch, max(round(pilot.prompt_tokens), 1))
+        rows = max(sum(out_rows), 1)
+        prefill_s = math.ceil(rows / batch) * pass_s(min(batch, rows), max(round(pilot.prompt_tokens), 1))
     else:
         prefill_s = pilot.prompt_tokens * sum(out_rows) / pilot.prefill_tok_s
     total_s = decode_s + prefill_s

@@ -88,6 +88,12 @@ def test_quick_config_validates_and_asks_for_less(name):
     assert load_bench_config(CONFIGS / name, quick=True, split="tune").split == "tune"
 
 
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("bench*.yaml")), ids=lambda p: p.name)
+def test_every_bench_config_validates_on_the_report_half(path):
+    cfg = load_bench_config(path)
+    assert Path(cfg.suite).is_dir() and cfg.split == "report" and cfg.max_new_tokens >= 24
+
+
 def test_config_refuses_what_cannot_run():
     with pytest.raises(BenchError, match="ks must lie"):
         load_bench_config({"ks": [0, 9], "max_k": 8})
