@@ -32,8 +32,8 @@ from pipeline.planner import Plan, plan_job
 from workers.config import JobConfig
 from workers.engine.cached_lm import CachedLM
 from workers.engine.costs import HARDWARE, Shape, load_shape
-from workers.shard_io import InputRow, read_shard
 from workers.engine.drafter import Drafter
+from workers.shard_io import InputRow, read_shard
 from workers.registry import make_generator
 from workers.shard_runner import ShardRunner
 
