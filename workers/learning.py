@@ -14,6 +14,7 @@ import io
 import json
 import math
 import time
+from statistics import fmean
 
 import pyarrow.parquet as pq
 import torch
@@ -55,11 +56,6 @@ def committed_sequences(urls: list[str], config: JobConfig, tokenizer) -> list[t
     return found
 
 
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / max(len(values), 1)
-
-
 def learn_head(config_json: dict, data_urls: list[str], out_url: str, cpus: float) -> dict[str, bytes]:
     """Distil a head for the job's target from the completions in `data_urls` within
     speculation.learn_minutes (loading included), save it at `out_url` and return its files. Its report's
@@ -79,8 +75,8 @@ def learn_head(config_json: dict, data_urls: list[str], out_url: str, cpus: floa
         train = held = train or held
     head, result, scores = distill_head(target, m.target, train, held, started + budget * (1 - _FINAL_SHARE))
     rows = config.resources.batch_size
-    costs = measure_costs(head, DecodingModel.prepare(target), rows, round(_mean(len(p) for p, _ in train)),
-                          round(_mean(len(c) for _, c in train)))
+    costs = measure_costs(head, DecodingModel.prepare(target), rows, round(fmean(len(p) for p, _ in train)),
+                          round(fmean(len(c) for _, c in train)))
     expected = {"batch_size": rows, **expected_speedup(scores["heldout_accept_by_position"], costs)}
     report = {"target": {"name": m.target, "dtype": str(target.dtype).removeprefix("torch."),
                          "device": str(target.device)},
