@@ -30,7 +30,7 @@ from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import COPY_PRIOR, DEFAULT_PRIOR
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
-from workers.engine.offers import best_offers, could_beat, pass_rates
+from workers.engine.offers import best_offers, headroom, pass_rates
 from workers.engine.sampling import verify_greedy
 from workers.registry import load_models, make_generator
 
@@ -209,10 +209,11 @@ def test_best_offers_match_the_brute_force_optimum():
     assert min(ratios) > 1 - 1e-4 and np.mean(np.array(ratios) > 1 - 1e-9) >= 0.99, sorted(ratios)[:5]
 
 
-def test_could_beat_bounds_every_offer_and_rules_out_a_search_that_cannot_pay():
-    """`could_beat` lets the controller skip the search: it must say yes wherever some offers (all of them
-    rated here) beat the rate, and say no where no column could pay (every column costs more than every
-    row's gain at it)."""
+def test_headroom_bounds_every_offer_and_rules_out_a_search_that_cannot_pay():
+    """`headroom` lets the controller skip the search, and planning itself while far from paying: its bound
+    must be positive wherever some offers (all of them rated here) beat the rate, and negative where no
+    column could pay (every column costs more than every row's gain at it); its factor must leave every
+    drafting offer short of plain decoding when the gains grow by less, and be larger where columns cost more."""
     rng = np.random.default_rng(4)
     for _ in range(300):
         n, width = int(rng.integers(1, 4)), int(rng.integers(1, 5))
@@ -220,12 +221,19 @@ def test_could_beat_bounds_every_offer_and_rules_out_a_search_that_cannot_pay():
         weight = rng.uniform(0.1, 1.0, n) if rng.random() < 0.3 else None
         best = max(pass_rates(np.array(o), gain, reach, base, column, weight)
                    for o in itertools.product(range(width + 1), repeat=n))
-        assert could_beat(gain, reach, base, column, best * (1 - 1e-9), weight)
+        assert headroom(gain, reach, base, column, best * (1 - 1e-9), weight)[0] > 0
+        plain = float(pass_rates(np.zeros(n, dtype=int), gain, reach, base, column, weight))
+        needed = headroom(gain, reach, base, column, plain, weight)[1]
+        if needed > 1:   # gains grown by less than the factor: still no drafting offer beats plain decoding
+            scaled = gain * needed * (1 - 1e-9)
+            assert all(pass_rates(np.array(o), scaled, reach, base, column, weight) <= plain * (1 + 1e-12)
+                       for o in itertools.product(range(width + 1), repeat=n))
     reach = np.cumprod(np.full((16, MAX_K), 0.8), 1)
     gain = reach * np.cumprod(np.full((16, MAX_K), 0.5), 1)
     plain = pass_rates(np.zeros(16, dtype=int), gain, reach, 1.0, np.full(MAX_K, 0.9))   # 16 tokens per second
-    assert not could_beat(gain, reach, 1.0, np.full(MAX_K, 0.9), plain * 1.02)
-    assert could_beat(gain, reach, 1.0, np.full(MAX_K, 0.1), plain * 1.02)
+    bound, needed = headroom(gain, reach, 1.0, np.full(MAX_K, 0.9), plain * 1.02)
+    assert bound < 0 and needed > headroom(gain, reach, 1.0, np.full(MAX_K, 0.5), plain * 1.02)[1] > 1
+    assert headroom(gain, reach, 1.0, np.full(MAX_K, 0.1), plain * 1.02)[0] > 0
 
 
 def test_offers_are_one_k_when_every_draft_reaches_its_offer():
@@ -579,6 +587,11 @@ def lifted(hits: np.ndarray, tries: np.ndarray, first: float, chain: float, prio
     return out
 
 
+def one_step(offered: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Estimates.observe's (hits, tries) of a single step."""
+    return tuple(counts[None] for counts in trials(offered, drafted, accepted, MAX_K))
+
+
 def test_levels_chain_the_worker_the_slow_and_the_fast_scale():
     """The worker's pooled level under the drafter's prior, the slow scale under the worker's, the fast under the
     slow one's: the one loop over anti-diagonals gives what the definition gives level by level."""
@@ -588,7 +601,7 @@ def test_levels_chain_the_worker_the_slow_and_the_fast_scale():
     for _ in range(25):
         offered = rng.integers(0, MAX_K + 1, n)
         drafted = np.minimum(offered, rng.integers(0, MAX_K + 1, n))
-        est.observe(*trials(offered, drafted, np.minimum(drafted, rng.integers(0, MAX_K + 1, n)), MAX_K), prior)
+        est.observe(*one_step(offered, drafted, np.minimum(drafted, rng.integers(0, MAX_K + 1, n))), prior)
     pooled = lifted(np.repeat(est.pooled_hits[0], n, 0), np.repeat(est.pooled_tries[0], n, 0), 2.0, 4.0,
                     np.broadcast_to(prior, (n, 2, MAX_K)))
     slow = lifted(est.hits[1, :n], est.tries[1, :n], 2.0, 4.0, pooled)
@@ -604,7 +617,7 @@ def test_one_prior_for_every_position_chains_each_position_from_the_one_before()
     for _ in range(20):
         offered = rng.integers(0, MAX_K + 1, 4)
         drafted = np.minimum(offered, rng.integers(0, MAX_K + 1, 4))
-        est.observe(*trials(offered, drafted, np.minimum(drafted, rng.integers(0, MAX_K + 1, 4)), MAX_K),
+        est.observe(*one_step(offered, drafted, np.minimum(drafted, rng.integers(0, MAX_K + 1, 4))),
                     np.array([0.6, 0.35]))
     out = est.scales(4, np.array([0.6, 0.35]))[-1]
     before = np.array([0.6, 0.35])
@@ -612,6 +625,72 @@ def test_one_prior_for_every_position_chains_each_position_from_the_one_before()
         m = 2.0 if j == 0 else 4.0
         before = (est.hits[-1, :, :, j] + m * before) / (est.tries[-1, :, :, j] + m)
         np.testing.assert_allclose(out[:, :, j], before, rtol=1e-6)
+
+
+def random_steps(rng: np.random.Generator, n: int, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One-step (hits, tries) of random drafts of n rows."""
+    out = []
+    for _ in range(steps):
+        offered = rng.integers(0, MAX_K + 1, n)
+        drafted = np.minimum(offered, rng.integers(0, MAX_K + 1, n))
+        out.append(one_step(offered, drafted, np.minimum(drafted, rng.integers(0, MAX_K + 1, n))))
+    return out
+
+
+def test_steps_counted_together_give_the_counts_of_steps_counted_one_by_one():
+    """A controller that holds k = 0 counts the steps since its last plan at once: the decayed counts (rows'
+    and pooled) are exactly those of counting them one by one; only the scales' weights are judged by the
+    estimates as they stood before the first of them."""
+    rng, prior = np.random.default_rng(8), np.array([[0.6] * MAX_K, [0.35] * MAX_K])
+    one_by_one, together = (Estimates(5, MAX_K, (0.7, 0.98), (0.5, 2.0), 4.0, pooled=(0.99, 2.0)) for _ in range(2))
+    for est in (one_by_one, together):
+        for hits, tries in random_steps(np.random.default_rng(1), 5, 10):
+            est.observe(hits, tries, prior)
+    steps = random_steps(rng, 5, 6)
+    for hits, tries in steps:
+        one_by_one.observe(hits, tries, prior)
+    together.observe(np.concatenate([h for h, _ in steps]), np.concatenate([t for _, t in steps]), prior)
+    for field in ("hits", "tries", "pooled_hits", "pooled_tries"):
+        np.testing.assert_allclose(getattr(together, field), getattr(one_by_one, field), rtol=1e-12)
+    np.testing.assert_allclose(together.weight, one_by_one.weight, atol=0.1)
+    np.testing.assert_allclose(together.mixed(5, prior), one_by_one.mixed(5, prior), atol=0.02)
+
+
+def test_admitting_and_moving_rows_keep_the_cached_estimates_exact():
+    """Rows admitted and moved patch the estimates cached for the step instead of recomputing them: the
+    patched cache equals a fresh computation."""
+    rng, prior = np.random.default_rng(5), np.array([[0.6] + [0.95] * (MAX_K - 1), [0.35] + [0.8] * (MAX_K - 1)])
+    est = Estimates(6, MAX_K, (0.7, 0.98), (0.5, 2.0), 4.0, pooled=(0.99, 2.0))
+    for t, (hits, tries) in enumerate(random_steps(rng, 6, 30)):
+        est.observe(hits, tries, prior)
+        est.levels(6, prior)
+        est.reset(2 + t % 3, 2)
+        est.move(5, t % 5)
+        patched = est.levels(6, prior).copy()
+        est._last = None
+        np.testing.assert_allclose(patched, est.levels(6, prior), rtol=1e-12, atol=1e-15)
+
+
+def test_a_compute_bound_batch_holds_k0_and_plans_every_few_steps_but_still_finds_a_copying_batch():
+    """Where a further column costs 0.8 of a plain pass (a compute-bound batch of 16), open text never pays:
+    the controller holds k = 0 and plans on a fraction of the steps. When every row starts to copy (drafts
+    nearly always accepted), it drafts within a few steps of a controller that plans every step."""
+    verify, draft = linear(1.0, 0.3), (lambda n, k: 0.001 * k)
+    chat, copy = (np.full((16, MAX_K), 0.3), np.full((16, MAX_K), 0.3)), (np.ones((16, MAX_K)), np.full((16, MAX_K), 0.99))
+
+    def run(max_hold: int) -> tuple[int, int]:
+        """(plans in the open-text phase, the step at which drafting starts)"""
+        controller = AdaptiveK(MAX_K, 16, costs=SyntheticCosts(verify, draft), prior=COPY_PRIOR, max_hold=max_hold)
+        trace, plans, model = Trace([], []), [], controller.model
+        controller.model = lambda n: plans.append(len(trace.chosen)) or model(n)
+        simulate(controller, lambda t: chat if t < 200 else copy, 16, 240, verify, draft, np.random.default_rng(0),
+                 shadow=True, trace=trace)
+        return sum(t < 200 for t in plans), next(t for t, chosen in enumerate(trace.chosen) if chosen.any())
+
+    (held_plans, held_start), (every_plans, every_start) = run(16), run(0)
+    assert every_plans >= 200 - 1 and held_plans < 200 / 3
+    assert 200 < every_start <= held_start <= every_start + 3
+
 
 
 def cold_start_rate(prior, alpha_row: np.ndarray, steps: int, seeds: int = 40) -> float:

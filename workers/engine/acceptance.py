@@ -90,35 +90,57 @@ class Estimates:
         return np.einsum("sn...,ns->n...", self.scales(n, prior), self.weight[:n])
 
     def observe(self, hits: np.ndarray, tries: np.ndarray, prior: np.ndarray) -> None:
-        """One step's trials (n, 2, max_k) of the first n slots: reweigh the scales by how likely each
-        found them, then count them."""
-        n = len(hits)
+        """The trials (m, n, 2, max_k) of m steps, in order, of the first n slots: reweigh the scales by how
+        likely each found them (as the estimates stood before the first of them), then count them. One step
+        (m = 1) is the exact online update; a controller that holds its offers folds the steps since it last
+        planned at once."""
+        m, n = hits.shape[:2]
         if len(self.decays) > 1:   # one scale keeps its weight of 1
             p = np.clip(self.scales(n, prior), 0.01, 0.99)
-            loglik = (hits * np.log(p) + (tries - hits) * np.log1p(-p)).sum(axis=(2, 3)).T        # (n, scales)
+            hit, tried = hits.sum(0), tries.sum(0)
+            loglik = (hit * np.log(p) + (tried - hit) * np.log1p(-p)).sum(axis=(2, 3)).T        # (n, scales)
             weight = self.weight[:n] * np.exp(loglik - loglik.max(axis=1, keepdims=True))
             weight /= weight.sum(axis=1, keepdims=True)
-            self.weight[:n] = (1 - self.share) * weight + self.share / weight.shape[1]
-        decay = np.where(tries > 0, self.decays, self.idle_decay)  # a position not tried forgets slowly
-        self.hits[:, :n] = self.hits[:, :n] * decay + hits
-        self.tries[:, :n] = self.tries[:, :n] * decay + tries
+            share = 1 - (1 - self.share) ** m
+            self.weight[:n] = (1 - share) * weight + share / weight.shape[1]
+        # a position not tried forgets slowly
+        decay = np.where(tries[:, None] > 0, self.decays, self.idle_decay)                   # (m, scales, n, 2, K)
+        self.hits[:, :n], self.tries[:, :n] = _decayed(decay, (self.hits[:, :n], hits[:, None]),
+                                                       (self.tries[:, :n], tries[:, None]))
         if self.pooled_decay is not None:
-            hits, tries = hits.sum(0), tries.sum(0)
+            hits, tries = hits.sum(1), tries.sum(1)
             decay = np.where(tries > 0, self.pooled_decay, self.idle_decay)
-            self.pooled_hits = self.pooled_hits * decay + hits
-            self.pooled_tries = self.pooled_tries * decay + tries
+            self.pooled_hits, self.pooled_tries = _decayed(decay, (self.pooled_hits, hits), (self.pooled_tries, tries))
         self._last = None
 
     def reset(self, start: int, count: int) -> None:
+        """Slots start.. hold new rows. Their estimates at every level are the pooled level's (their own counts
+        are zero, so each level takes the level above's estimate, clipped as every prior is): patched into the
+        cached levels, so a step that admits rows does not recompute the rest."""
         self.hits[:, start : start + count] = 0.0
         self.tries[:, start : start + count] = 0.0
         self.weight[start : start + count] = 1.0 / self.weight.shape[1]
-        self._last = None
+        if self._last is not None and self.pooled_decay is not None:
+            levels = self._last[1]
+            levels[1:, :, start : start + count] = np.clip(levels[:1, :, start : start + count], 1e-3, 1 - 1e-3)
+        else:
+            self._last = None
 
     def move(self, src: int, dst: int) -> None:
         self.hits[:, dst], self.tries[:, dst] = self.hits[:, src], self.tries[:, src]
         self.weight[dst] = self.weight[src]
-        self._last = None
+        if self._last is not None and max(src, dst) < self._last[0][0]:
+            self._last[1][:, :, dst] = self._last[1][:, :, src]
+        else:
+            self._last = None
+
+
+def _decayed(decay: np.ndarray, *counts: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray]:
+    """Each (counts, new) pair's counts after the m steps of new (m, ...) in turn: counts * decay[t] + new[t]."""
+    if len(decay) == 1:
+        return [now * decay[0] + new[0] for now, new in counts]
+    later = np.cumprod(decay[::-1], axis=0)[::-1]                   # decay[t] * ... * decay[m - 1]
+    return [now * later[0] + (new[:-1] * later[1:]).sum(0) + new[-1] for now, new in counts]
 
 
 _LOW, _HIGH = 1e-3 / (1 - 1e-3), (1 - 1e-3) / 1e-3   # odds of 0.001 and 0.999: no estimate is taken as certain
@@ -161,11 +183,11 @@ def _chained(counted: np.ndarray, stay: np.ndarray, anchor: np.ndarray) -> np.nd
 
 
 def trials(offered: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, max_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """One step's (hits, tries), each (n, 2, max_k), from per-row positions offered, drafted and accepted:
-    position j is tried for REACH when offered and j - 1 was drafted, hit when drafted; tried for ACCEPT
-    when drafted and j - 1 was accepted, hit when accepted."""
+    """(hits, tries), each (..., 2, max_k), from positions offered, drafted and accepted (...) per row (and
+    step): position j is tried for REACH when offered and j - 1 was drafted, hit when drafted; tried for
+    ACCEPT when drafted and j - 1 was accepted, hit when accepted."""
     position = np.arange(max_k)
-    past = np.stack([offered, drafted, accepted], axis=1)[:, :, None] > position     # (n, 3, max_k)
-    reached = np.stack([drafted, accepted], axis=1)[:, :, None] >= position          # j - 1 drafted, accepted
-    tries = past[:, :2] & reached
-    return (past[:, 1:] & tries).astype(float), tries.astype(float)
+    past = np.stack([offered, drafted, accepted], axis=-1)[..., None] > position     # (..., 3, max_k)
+    reached = np.stack([drafted, accepted], axis=-1)[..., None] >= position          # j - 1 drafted, accepted
+    tries = past[..., :2, :] & reached
+    return (past[..., 1:, :] & tries).astype(float), tries.astype(float)

@@ -11,6 +11,7 @@ also sets the confidence stop (workers/engine/draft_stop.py) at the same predict
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ from workers.engine.acceptance import ACCEPT, Estimates, trials
 from workers.engine.costs import CostModel
 from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import DEFAULT_PRIOR
-from workers.engine.offers import best_offers, could_beat, drain_weights, pass_rates
+from workers.engine.offers import best_offers, drain_weights, headroom, pass_rates
 
 log = logging.getLogger(__name__)
 
@@ -72,30 +73,41 @@ class AdaptiveK(Controller):
     `margin` better (so noise does not flap them). A row's prior is the worker's estimates, a worker's
     prior is the drafter's `acceptance_prior` (workers/engine/drafter.py): a cold controller starts near
     k = 0 on open text, where the free shadow guesses (see generator) soon show a copying row, and a copying
-    drafter's row that starts to match is trusted deep into the span at once. Where no row has tried position 1 for `explore_every` steps (a draft model at k = 0 gets no free
-    guesses), every row is offered one position, so speculation can come back; where such a
-    probe costs much more than a plain pass, less often, so that probes take at most `probe_share` of
-    the time."""
+    drafter's row that starts to match is trusted deep into the span at once. Where no row has tried
+    position 1 for `explore_every` steps (a draft model at k = 0 gets no free guesses), every row is offered
+    one position, so speculation can come back; where such a probe costs much more than a plain pass, less
+    often, so that probes take at most `probe_share` of the time.
+
+    Planning is skipped while it cannot change the plan: when every row holds k = 0 and the gains would have
+    to grow by a factor (`headroom`) before any drafting could pay, the controller holds k = 0 for as many
+    steps as gains growing by `growth` a step would take to get there (at most `max_hold`), and meanwhile
+    only records the steps; their trials are counted together at the next plan (`Estimates.observe`). A
+    compute-bound batch then pays for a plan every few steps, not every step."""
 
     def __init__(self, max_k: int, max_rows: int, costs: CostModel | None = None,
                  prior: tuple[tuple[float, ...], tuple[float, ...]] = DEFAULT_PRIOR,
                  row_decays: tuple[float, ...] = (0.7, 0.98), row_prior_tries: tuple[float, ...] = (0.5, 2.0),
                  chain_tries: float = 4.0, worker_decay: float = 0.99, share: float = 0.01, margin: float = 0.02,
-                 explore_every: int = 16, probe_share: float = 0.02):
+                 explore_every: int = 16, probe_share: float = 0.02, growth: float = 1.2, max_hold: int = 16):
         self.max_k, self.costs, self.margin = max_k, costs or CostModel(), margin
         self.prior = np.array([[p[min(j, len(p) - 1)] for j in range(max_k)] for p in prior])  # (2, max_k)
         self.explore_every, self.probe_share = explore_every, probe_share
+        self.growth, self.max_hold = growth, max_hold
         self.estimates = Estimates(max_rows, max_k, row_decays, row_prior_tries, chain_tries, share,
                                    pooled=(worker_decay, row_prior_tries[-1]))   # the rows', under the worker's
         self.held = np.zeros(max_rows, dtype=int)
         self.widths = np.arange(1, max_k + 2)     # the pass widths priced each step
         self.unprobed = 0                         # steps since any row tried position 1
+        self.probe_after = explore_every          # unprobed steps before a probe, as of the last plan
+        self.hold = 0                             # steps left to hold k = 0 without planning
+        self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (offered, drafted, accepted) per step
         self.confidence = np.array([1.0, 1.0])    # decayed (accepted drafts, summed draft confidence)
         self.stop: DraftStop | None = None
 
     def model(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(gain, reach), each (n, max_k): the probability that row r's draft is accepted up to position
         j, and that it reaches position j."""
+        self._count_pending()
         est = self.estimates.mixed(n, self.prior)
         reach = np.cumprod(est[:, 0], axis=1)
         return reach * np.cumprod(est[:, ACCEPT], axis=1), reach
@@ -108,16 +120,22 @@ class AdaptiveK(Controller):
     def choose(self, n_rows: int, remaining: np.ndarray | None = None) -> np.ndarray:
         if self.max_k == 0:
             return np.zeros(n_rows, dtype=int)
+        if self.hold and self.unprobed < self.probe_after and not self.held[:n_rows].any():
+            self.hold -= 1
+            return np.zeros(n_rows, dtype=int)
         gain, reach = self.model(n_rows)
         base, column = self.pass_costs(n_rows)
         weight = None if remaining is None else drain_weights(gain, remaining)
         held_rate = float(pass_rates(self.held[:n_rows], gain, reach, base, column, weight))
-        if could_beat(gain, reach, base, column, held_rate * (1 + self.margin), weight):
+        bound, needed = headroom(gain, reach, base, column, held_rate * (1 + self.margin), weight)
+        if bound > 0:
             offers, rate = best_offers(gain, reach, base, column, weight)
             if rate > held_rate * (1 + self.margin):
                 self.held[:n_rows], held_rate = offers, rate
         chosen = self.held[:n_rows].copy()
-        if not chosen.any() and self.unprobed >= max(self.explore_every, column[0] / base / self.probe_share):
+        self.probe_after = max(self.explore_every, column[0] / base / self.probe_share)
+        self.hold = 0 if chosen.any() else int(min(self.max_hold, max(0.0, math.log(needed) / math.log(self.growth))))
+        if not chosen.any() and self.unprobed >= self.probe_after:
             chosen[:] = 1
         calibration = self.confidence[0] / self.confidence[1]
         self.stop = DraftStop(held_rate * column, calibration, weight)
@@ -130,20 +148,39 @@ class AdaptiveK(Controller):
         return self.stop
 
     def observe(self, step: StepRecord) -> None:
+        if self.max_k == 0:
+            return
         n = len(step.offered)
         self.costs.observe(n, step.width, step.verify_s, step.width - 1, step.draft_s)
-        hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
-        self.estimates.observe(hits, tries, self.prior)
-        self.unprobed = 0 if tries[:, :, 0].any() else self.unprobed + 1
+        self.pending.append((step.offered, step.drafted, step.accepted))
+        self.unprobed = 0 if step.offered.any() else self.unprobed + 1
         if step.confidence is not None:
+            hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
             tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool)
             seen = np.array([hits[:, ACCEPT, : step.confidence.shape[1]][tried].sum(), step.confidence[tried].sum()])
             self.confidence = 0.99 * self.confidence + seen
 
+    def _count_pending(self) -> None:
+        """Count the steps recorded since the last plan into the estimates, all at once."""
+        if not self.pending:
+            return
+        n = max(len(offered) for offered, _, _ in self.pending)
+        if all(len(offered) == n for offered, _, _ in self.pending):
+            record = np.array(self.pending).transpose(1, 0, 2)        # (offered, drafted, accepted) x steps x rows
+        else:
+            record = np.zeros((3, len(self.pending), n), dtype=int)   # a step with fewer rows tried nothing past them
+            for t, step in enumerate(self.pending):
+                for field, values in zip(record, step):
+                    field[t, : len(values)] = values
+        self.estimates.observe(*trials(*record, self.max_k), self.prior)
+        self.pending.clear()
+
     def admit(self, start: int, count: int) -> None:
+        self._count_pending()
         self.estimates.reset(start, count)
         self.held[start : start + count] = self.held[:start].max(initial=0)
 
     def move(self, src: int, dst: int) -> None:
+        self._count_pending()
         self.estimates.move(src, dst)
         self.held[dst] = self.held[src]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ def _shadow_step(step: StepRecord, offered: list[int], shadow: Proposal, verdict
     draft (a row with no guess missed, as when drafting)."""
     lens = shadow.lengths.tolist()
     hits = [int(n > 0 and guess[0] == new[0]) for n, guess, new in zip(lens, shadow.tokens.tolist(), verdict.tokens)]
-    return replace(step, offered=np.array(offered), drafted=np.array(lens), accepted=np.array(hits))
+    return StepRecord(np.array(offered), np.array(lens), np.array(hits), step.width, step.draft_s, step.verify_s)
 
 
 def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:

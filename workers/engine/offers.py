@@ -21,7 +21,7 @@ widens pays for its neighbours, which are the ones holding the batch.
 Search: from every uniform offer (one k for the batch: so never worse than the best single k), rounds
 of best responses (Dinkelbach's parametric form of the ratio at the start's own rate), keeping a
 round only where it raises the rate. Exact on every small case tried against brute force (tests).
-The search runs only where some offers could beat the held ones (`could_beat`: a bound a few array
+The search runs only where some offers could beat the held ones (`headroom`: a bound a few array
 operations cost), so a controller that holds k = 0 where drafting does not pay searches nothing.
 """
 from __future__ import annotations
@@ -36,17 +36,33 @@ def drain_weights(gain: np.ndarray, remaining: np.ndarray) -> np.ndarray:
     return passes / max(float(passes.max()), 1e-9)
 
 
-def could_beat(gain: np.ndarray, reach: np.ndarray, base: float, column: np.ndarray, rate: float,
-               weight: np.ndarray | None = None) -> bool:
-    """Whether any offers might be predicted faster than `rate`. Offers beat a rate only where tokens -
-    rate * time is positive (Dinkelbach), and two relaxations bound that from above: the chance that some
-    row reaches column j is at least the largest reach among the rows offered j, and each column may go to
-    any set of rows. Column j is then worth at most the best, over the rows' reaches as the largest, of
-    the weighted gain of the rows reaching no further less rate * column[j] * that reach (or nothing)."""
+def headroom(gain: np.ndarray, reach: np.ndarray, base: float, column: np.ndarray, rate: float,
+             weight: np.ndarray | None = None) -> tuple[float, float]:
+    """An upper bound on how far any offers' weighted tokens - rate * time can rise above zero (Dinkelbach:
+    offers beat `rate` only where it is positive), and a lower bound on the factor by which every gain would
+    have to grow before an offer in which some row drafts could beat `rate` (below 1: one may already).
+
+    Each column may go to any set of rows, and is worth at most the lesser of two bounds on what a set
+    gains less rate * column[j] * the chance that one of its rows reaches j:
+    - that chance is at least the set's largest reach: the best, over the rows' reaches as the largest, of
+      the weighted gain of the rows reaching no further less rate * column[j] * that reach;
+    - it is 1 - prod(1 - reach) >= 1 - exp(-R), R the set's summed reach, and the set gains at most R times
+      the best gain per unit of reach: a convex function of R, so largest at the least or the most R a set
+      of rows can have (one row: the first bound exactly; many: near a sure pass, as it is).
+    The factor is the least, over columns, of the larger of the two bounds' cost over gain for the set that
+    needs the least (under the second, (1 - exp(-R)) / R falls with R: all rows)."""
     weight = np.ones(gain.shape[0]) if weight is None else weight
+    worth = weight[:, None] * gain
     order, columns = np.argsort(reach, axis=0), np.arange(reach.shape[1])
-    worth = np.cumsum((weight[:, None] * gain)[order, columns], axis=0) - rate * column * reach[order, columns]
-    return weight.sum() - rate * base + np.maximum(worth.max(axis=0), 0.0).sum() > 0
+    gained, cost = np.cumsum(worth[order, columns], axis=0), rate * column * reach[order, columns]
+    per_reach, least, most = (worth / np.maximum(reach, 1e-12)).max(0), reach.min(0), reach.sum(0)
+    by_largest = (gained - cost).max(0)
+    by_sum = np.maximum(*(per_reach * r + rate * column * np.expm1(-r) for r in (least, most)))
+    best = np.minimum(by_largest, by_sum)
+    need = np.maximum((cost / np.maximum(gained, 1e-12)).min(0),
+                      -rate * column * np.expm1(-most) / np.maximum(per_reach * most, 1e-12))
+    drafting = best[0] + np.maximum(best[1:], 0.0).sum()      # offers where some row drafts use column 1
+    return float(weight.sum() - rate * base + max(drafting, 0.0)), float(need.min())
 
 
 def pass_rates(offers: np.ndarray, gain: np.ndarray, reach: np.ndarray, base: float, column: np.ndarray,
