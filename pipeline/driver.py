@@ -32,8 +32,6 @@ from workers.verify_sample import RowCheck, pick_rows, summarize_checks
 
 log = logging.getLogger(__name__)
 _WORKER_DEATHS = (RayActorError, ActorDiedError, ActorUnavailableError)
-# Workers' environment unless --verbose: no progress bars (model conversion, "Loading weights", ...).
-QUIET_WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 class ResourceError(RuntimeError):
@@ -90,13 +88,11 @@ class WorkerPool:
 
     def __init__(self, config: JobConfig, shape: WorkerShape, verbose: bool = False):
         self.config, self.shape, self.created = config, shape, 0
+        self.quiet = not verbose   # no progress bars from the workers (model conversion, "Loading weights", ...)
         options = {"num_cpus": shape.cpus, "num_gpus": shape.gpus, "scheduling_strategy": "SPREAD",
                    "max_restarts": 0, "max_task_retries": 0}
-        if not verbose:  # Ray forwards every redraw of a worker's progress bar as a new line
-            options["runtime_env"] = {"env_vars": QUIET_WORKER_ENV}
         if shape.memory:
             options["memory"] = shape.memory
-        self.runtime_env = options.get("runtime_env")  # the learning task's too
         self.actor_class = ray.remote(GenerationWorker).options(**options)
         self.actors = {}
         for _ in range(shape.count):
@@ -119,7 +115,7 @@ class WorkerPool:
         worker_id = f"worker-{self.created:03d}"
         self.created += 1
         self.actors[worker_id] = self.actor_class.remote(self.config.model_dump(mode="json"), worker_id,
-                                                         self.shape.cpus)
+                                                         self.shape.cpus, self.quiet)
         return worker_id
 
     def replace(self, worker_id: str) -> str:
@@ -150,7 +146,7 @@ def run_job(config: JobConfig, overwrite: bool = False, address: str | None = No
             pool = WorkerPool.ready(config, verbose)
             try:
                 if todo:
-                    learner = Learner(config, state.store, pool.shape.cpus, pool.shape.gpus, pool.runtime_env)
+                    learner = Learner(config, state.store, pool.shape.cpus, pool.shape.gpus, pool.quiet)
                     try:
                         stats += _dispatch(config, pool, state, todo, stats, len(plan.shards), progress, learner)
                     finally:

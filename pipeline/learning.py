@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 class Learner:
     """One job's learning: idle, distilling, or holding the head every new shard gets."""
 
-    def __init__(self, config: JobConfig, store: Store, cpus: float, gpus: float, runtime_env: dict | None = None):
-        self.config, self.cpus, self.gpus, self.runtime_env = config, cpus, gpus, runtime_env
+    def __init__(self, config: JobConfig, store: Store, cpus: float, gpus: float, quiet: bool = True):
+        self.config, self.cpus, self.gpus, self.quiet = config, cpus, gpus, quiet
         self.enabled = config.speculation.learn != "none"
         self.url = store.url(*LEARNED_HEAD)
         self.head: HeadBroadcast | None = None
@@ -64,9 +64,8 @@ class Learner:
             log.warning("learning waits for a free GPU (it asks %.3g, %.3g are free): leave room beside the workers "
                         "for the distillation", self.gpus, free.get("GPU", 0.0))
         urls = [join(self.config.output.path, "data", f"{s.shard_id}.parquet") for s in stats]
-        task = ray.remote(learn_head_task).options(num_cpus=cpus, num_gpus=self.gpus, max_retries=0,
-                                                   runtime_env=self.runtime_env)
-        self.task = task.remote(self.config.model_dump(mode="json"), urls, self.url, self.cpus)
+        task = ray.remote(learn_head_task).options(num_cpus=cpus, num_gpus=self.gpus, max_retries=0)
+        self.task = task.remote(self.config.model_dump(mode="json"), urls, self.url, self.cpus, self.quiet)
         self.launched = time.time()
         self.info = {"status": "distilling", "after_rows": rows, "after_shards": len(stats)}
         log.info("learning: distilling an MTP head from %d committed rows", rows)

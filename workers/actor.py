@@ -6,6 +6,7 @@ names this class to Ray and must start without them.
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import ray
@@ -25,10 +26,23 @@ class HeadBroadcast(NamedTuple):
     files: ray.ObjectRef
 
 
-class GenerationWorker:
-    """Plain class; the driver wraps it with ray.remote and explicit resources."""
+def quiet_worker() -> None:
+    """No progress bars and no info logs from transformers or the hub in this worker process: Ray forwards every
+    redraw of a bar as a new line. Set here rather than through a runtime_env, which would keep the actor out of
+    the worker processes Ray has already started (about 0.6 s of start-up)."""
+    os.environ.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
+    import transformers
 
-    def __init__(self, config: dict, worker_id: str, cpus: float):
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+class GenerationWorker:
+    """Plain class; the driver wraps it with ray.remote and explicit resources. `quiet`: see quiet_worker."""
+
+    def __init__(self, config: dict, worker_id: str, cpus: float, quiet: bool = True):
+        if quiet:
+            quiet_worker()
         import torch
 
         from workers.shard_runner import ShardRunner
@@ -54,8 +68,10 @@ class GenerationWorker:
         return str(self.runner.device)
 
 
-def learn_head_task(config: dict, data_urls: list[str], out_url: str, cpus: float) -> dict[str, bytes]:
+def learn_head_task(config: dict, data_urls: list[str], out_url: str, cpus: float, quiet: bool = True) -> dict[str, bytes]:
     """The learning job's Ray task (workers/learning.py); torch loads in the task's process, not the driver's."""
+    if quiet:
+        quiet_worker()
     from workers.learning import learn_head
 
     return learn_head(config, data_urls, out_url, cpus)
