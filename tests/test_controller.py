@@ -693,6 +693,23 @@ def test_a_compute_bound_batch_holds_k0_and_plans_every_few_steps_but_still_find
 
 
 
+def test_where_columns_are_cheap_the_controller_plans_every_step():
+    """A memory-bound pass (a further column costs 5 % of a plain one): a row whose drafts are never accepted
+    still gets a plan every step, since its acceptance can grow many-fold in one and drafting is nearly free
+    (treated as compute-bound, the same controller holds k = 0 for some steps)."""
+    verify, draft = linear(1.0, 0.05), (lambda n, k: 0.0001 * k)
+
+    def plans(hold_share: float) -> int:
+        controller = AdaptiveK(MAX_K, 1, costs=SyntheticCosts(verify, draft), prior=COPY_PRIOR, hold_share=hold_share)
+        counted, model = [], controller.model
+        controller.model = lambda n: counted.append(n) or model(n)
+        never = (np.full((1, MAX_K), 0.5), np.zeros((1, MAX_K)))
+        simulate(controller, lambda t: never, 1, 100, verify, draft, np.random.default_rng(2), shadow=True)
+        return len(counted)
+
+    assert plans(0.2) == 100 and plans(0.0) < 90
+
+
 def cold_start_rate(prior, alpha_row: np.ndarray, steps: int, seeds: int = 40) -> float:
     """Tokens per second over the first `steps` steps of one row, columns nearly free (batch 1), averaged
     over simulated runs."""

@@ -78,21 +78,25 @@ class AdaptiveK(Controller):
     one position, so speculation can come back; where such a probe costs much more than a plain pass, less
     often, so that probes take at most `probe_share` of the time.
 
-    Planning is skipped while it cannot change the plan: when every row holds k = 0 and the gains would have
-    to grow by a factor (`headroom`) before any drafting could pay, the controller holds k = 0 for as many
-    steps as gains growing by `growth` a step would take to get there (at most `max_hold`), and meanwhile
-    only records the steps; their trials are counted together at the next plan (`Estimates.observe`). A
-    compute-bound batch then pays for a plan every few steps, not every step."""
+    Where the batch is compute-bound (a further column costs at least `hold_share` of a plain pass), planning
+    is skipped while it cannot change the plan: when every row holds k = 0 and the gains would have to grow by
+    a factor (`headroom`) before any drafting could pay, the controller holds k = 0 for as many steps as gains
+    growing by `growth` a step would take to get there (at most `max_hold`), and meanwhile only records the
+    steps; their trials are counted together at the next plan (`Estimates.observe`). Such a batch then pays
+    for a plan every few steps, not every step. Where columns are cheap (a memory-bound pass: batch 1 here, a
+    large model on a GPU) it plans every step: a row's acceptance that starts from nearly nothing can grow
+    many-fold in a step, and drafting there is what pays."""
 
     def __init__(self, max_k: int, max_rows: int, costs: CostModel | None = None,
                  prior: tuple[tuple[float, ...], tuple[float, ...]] = DEFAULT_PRIOR,
                  row_decays: tuple[float, ...] = (0.7, 0.98), row_prior_tries: tuple[float, ...] = (0.5, 2.0),
                  chain_tries: float = 4.0, worker_decay: float = 0.99, share: float = 0.01, margin: float = 0.02,
-                 explore_every: int = 16, probe_share: float = 0.02, growth: float = 1.2, max_hold: int = 16):
+                 explore_every: int = 16, probe_share: float = 0.02, growth: float = 1.2, max_hold: int = 16,
+                 hold_share: float = 0.2):
         self.max_k, self.costs, self.margin = max_k, costs or CostModel(), margin
         self.prior = np.array([[p[min(j, len(p) - 1)] for j in range(max_k)] for p in prior])  # (2, max_k)
         self.explore_every, self.probe_share = explore_every, probe_share
-        self.growth, self.max_hold = growth, max_hold
+        self.growth, self.max_hold, self.hold_share = growth, max_hold, hold_share
         self.estimates = Estimates(max_rows, max_k, row_decays, row_prior_tries, chain_tries, share,
                                    pooled=(worker_decay, row_prior_tries[-1]))   # the rows', under the worker's
         self.held = np.zeros(max_rows, dtype=int)
@@ -134,7 +138,9 @@ class AdaptiveK(Controller):
                 self.held[:n_rows], held_rate = offers, rate
         chosen = self.held[:n_rows].copy()
         self.probe_after = max(self.explore_every, column[0] / base / self.probe_share)
-        self.hold = 0 if chosen.any() else int(min(self.max_hold, max(0.0, math.log(needed) / math.log(self.growth))))
+        compute_bound = column[0] >= self.hold_share * base
+        self.hold = int(min(self.max_hold, max(0.0, math.log(needed) / math.log(self.growth)))) \
+            if compute_bound and not chosen.any() else 0
         if not chosen.any() and self.unprobed >= self.probe_after:
             chosen[:] = 1
         calibration = self.confidence[0] / self.confidence[1]
