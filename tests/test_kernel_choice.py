@@ -1,12 +1,15 @@
 """The width-1 kernel chosen by measurement: either choice computes the same pass, and the loser's weights go."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tests.tiny_models import tiny_llama
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.kernel_choice import choose_single_row_kernel, packed_only
+from workers.engine.linear import Linear
 
 
 def _logits(model: DecodingModel, prompt: list[int]) -> torch.Tensor:
@@ -43,3 +46,28 @@ def test_a_remembered_choice_is_taken_without_measuring(one_torch_thread, tmp_pa
     assert second == first and (again.head.plain is None) == (chosen.head.plain is None)
     remembered.write_text(remembered.read_text().replace(str(first["packed_ms"]), "1e9"))  # plain GEMV "won"
     assert choose_single_row_kernel(model, remembered=remembered)[0].head.plain is not None
+
+
+def test_a_worker_whose_cpu_is_known_to_favour_packed_never_builds_plain_copies(one_torch_thread, model_dir, tmp_path,
+                                                                                monkeypatch):
+    """Where the remembered choice is packed, loading builds no plain copies (and measures nothing); where it
+    is GEMV, both layouts are built and kept."""
+    import workers.engine.kernel_choice as kc
+    from tests.pipeline_helpers import make_config
+    from workers.registry import load_models
+
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
+    config = make_config(model_dir, "in.jsonl", "out")
+    if load_models(config, torch.device("cpu")).target.head.packed is None:
+        return
+    monkeypatch.setattr(kc, "_pass_s", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+    built, of = [], Linear.of.__func__
+    monkeypatch.setattr(Linear, "of", classmethod(lambda cls, *a, **k: built.append(of(cls, *a, **k)) or built[-1]))
+    remembered = tmp_path / "kernel-choice.json"
+    key = next(iter(kc._read(remembered)))
+    for packed_ms, plain_kept in ((1.0, False), (1e9, True)):
+        remembered.write_text(json.dumps({key: {"gemv_ms": 2.0, "packed_ms": packed_ms}}))
+        built.clear()
+        target = load_models(config, torch.device("cpu")).target
+        assert built and all((weights.plain is not None) == plain_kept for weights in built)
+        assert (target.head.plain is not None) == plain_kept

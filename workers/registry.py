@@ -19,7 +19,7 @@ from workers.engine.controller import AdaptiveK, Controller, FixedK
 from workers.engine.costs import CostModel
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import DEFAULT_PRIOR, Drafter, NoDrafter
-from workers.engine.kernel_choice import choose_single_row_kernel
+from workers.engine.kernel_choice import choose_single_row_kernel, packed_wins, remembered_timings
 from workers.engine.generator import GenerationSettings, SpeculativeGenerator
 from workers.engine.model_drafter import ModelDrafter
 from workers.engine.mtp_drafter import MTPDrafter
@@ -87,11 +87,12 @@ def pick_device() -> torch.device:
 def load_models(config: JobConfig, device: torch.device) -> Models:
     """The target (prepared once for decoding) and the tokenizer, then the drafter's weights if it has any."""
     m, options = config.model, config.input.storage_options
-    target = DecodingModel.prepare(load_model(m.target, m.dtype, device, options, m.trust_remote_code), compile=m.compile,
-                                   step=m.step)
+    source, remembered = load_model(m.target, m.dtype, device, options, m.trust_remote_code), cache_root() / "kernel-choice.json"
+    known = remembered_timings(source, remembered) if device.type == "cpu" else None
+    target = DecodingModel.prepare(source, compile=m.compile, step=m.step, gemv=not (known and packed_wins(known)))
     if device.type == "cpu":
-        target, timings = choose_single_row_kernel(target, remembered=cache_root() / "kernel-choice.json")
-        log.info("width-1 pass: %s", timings)
+        target, timings = choose_single_row_kernel(target, remembered=remembered)
+        log.info("width-1 pass: %s", timings or known)
     models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code))
     loaders = [DRAFTERS[name].load_draft for name in m.drafters if DRAFTERS[name].load_draft is not None]
     if loaders:  # model.draft names one set of weights: at most one drafter kind reads it

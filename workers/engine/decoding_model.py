@@ -25,15 +25,16 @@ class DecodingModel:
     step: str = "eager"                # eager | captured (static-shape steps, CUDA graphs on a GPU)
 
     @classmethod
-    def prepare(cls, model: PreTrainedModel, compile: bool = False, step: str = "auto") -> DecodingModel:
+    def prepare(cls, model: PreTrainedModel, compile: bool = False, step: str = "auto", gemv: bool = True) -> DecodingModel:
         """`compile`: torch.compile the fused decoder's layers (no effect where the fused decoder does not apply).
         `step`: `auto` captures decode steps in CUDA graphs on a GPU and runs them eagerly elsewhere; `captured`
-        forces the static-shape step (eager on a CPU: the same path, testable without a GPU); `eager` never."""
+        forces the static-shape step (eager on a CPU: the same path, testable without a GPU); `eager` never.
+        `gemv=False`: packed weights only, where a CPU's width-1 kernel choice is already known (kernel_choice.py)."""
         head = model.get_output_embeddings()
-        fused = FusedDecoder(model, compile) if FusedDecoder.supports(model) else None
+        fused = FusedDecoder(model, compile, gemv) if FusedDecoder.supports(model) else None
         if step == "auto":
             step = "captured" if model.device.type == "cuda" else "eager"
-        return cls(model.eval(), fused, Linear.of(head.weight, getattr(head, "bias", None)),
+        return cls(model.eval(), fused, Linear.of(head.weight, getattr(head, "bias", None), gemv),
                    step if fused is not None else "eager")
 
     def captured_steps(self, cache: SlotCache, max_rows: int) -> CapturedSteps | None:

@@ -20,11 +20,11 @@ from workers.engine.linear import Linear, linear
 SUPPORTED = {"llama", "qwen2"}
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> Linear:
+def _fuse(linears: list[torch.nn.Linear], gemv: bool) -> Linear:
     """One Linear over the concatenated outputs, with the concatenated bias when every part has one."""
     weight = torch.cat([m.weight.detach() for m in linears], 0)
     biases = [m.bias for m in linears]
-    return Linear.of(weight, torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None)
+    return Linear.of(weight, torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None, gemv)
 
 
 class _Layer(NamedTuple):
@@ -69,16 +69,16 @@ class FusedDecoder:
     (weights are arguments, so every layer shares one graph; shapes are dynamic, so rows, width and
     cache length never recompile) and the elementwise work between matmuls fuses into a few kernels."""
 
-    def __init__(self, model: PreTrainedModel, compile: bool = False):
+    def __init__(self, model: PreTrainedModel, compile: bool = False, gemv: bool = True):
         cfg, decoder = model.config, model.get_decoder()
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.eps, self.embed, self.norm, self.rotary = cfg.rms_norm_eps, decoder.embed_tokens, decoder.norm.weight, decoder.rotary_emb
         self.layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(layer.input_layernorm.weight, _fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
-                                      _fuse([attn.o_proj]), layer.post_attention_layernorm.weight,
-                                      _fuse([mlp.gate_proj, mlp.up_proj]), _fuse([mlp.down_proj])))
+            self.layers.append(_Layer(layer.input_layernorm.weight, _fuse([attn.q_proj, attn.k_proj, attn.v_proj], gemv),
+                                      _fuse([attn.o_proj], gemv), layer.post_attention_layernorm.weight,
+                                      _fuse([mlp.gate_proj, mlp.up_proj], gemv), _fuse([mlp.down_proj], gemv)))
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
         self._before_attention, self._after_attention = wrap(_attention_inputs), wrap(_attention_out_and_mlp)
 

@@ -5,7 +5,8 @@ tokens, the plain one for MKL's GEMV at one token, which was faster on some CPUs
 the slower, and a width-1 pass then costs more than a width-3 one, which both wastes the plain pass and
 misleads the controller. So the choice is measured once per loaded model, on a whole pass (the weights
 stream from memory as in decoding, not from cache), and the losing layout is freed. The choice is kept in
-the model cache per CPU, torch build, thread count and model shape, so later starts skip the measurement.
+the model cache per CPU, torch build, thread count and model shape, so later starts skip the measurement,
+and where it says packed, skip the plain copies too (`remembered_timings` before DecodingModel.prepare).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
@@ -60,8 +62,7 @@ def choose_single_row_kernel(model: DecodingModel, repeats: int = 5,
     if model.fused is None or model.head.plain is None or model.head.packed is None:
         return model, {}
     packed = packed_only(model)
-    key = _choice_key(model)
-    timings = _read(remembered).get(key) if remembered else None
+    timings = remembered_timings(model, remembered) if remembered else None
     if timings is None:
         plain_s, packed_s = [], []
         for _ in range(2):
@@ -69,11 +70,21 @@ def choose_single_row_kernel(model: DecodingModel, repeats: int = 5,
             packed_s.append(_pass_s(packed, repeats))
         timings = {"gemv_ms": 1e3 * min(plain_s), "packed_ms": 1e3 * min(packed_s)}
         if remembered:
-            _remember(remembered, key, timings)
-    return (packed if timings["packed_ms"] < timings["gemv_ms"] else model), timings
+            _remember(remembered, _choice_key(model), timings)
+    return (packed if packed_wins(timings) else model), timings
 
 
-def _choice_key(model: DecodingModel) -> str:
+def packed_wins(timings: dict[str, float]) -> bool:
+    return timings["packed_ms"] < timings["gemv_ms"]
+
+
+def remembered_timings(model: DecodingModel | PreTrainedModel, remembered: Path) -> dict[str, float] | None:
+    """The timings measured before for this CPU, torch, threads and model shape, if any (a transformers model
+    will do: the key needs only its config and dtype)."""
+    return _read(remembered).get(_choice_key(model))
+
+
+def _choice_key(model: DecodingModel | PreTrainedModel) -> str:
     """What decides which kernel wins: the CPU, torch's build and threads, and the model's shape and dtype."""
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "unknown cpu")
     c = model.config

@@ -60,10 +60,12 @@ class Linear(NamedTuple):
     bias: torch.Tensor | None
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: bool = True) -> Linear:
+        """`gemv=False`: no plain copy beside a packed one (a remembered kernel choice says packed wins at width 1;
+        the copies cost about 0.9 s of a SmolLM2 worker's start)."""
         weight = weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if packs(weight) else None
-        plain = packed is None or weight.dtype == torch.float32
+        plain = packed is None or (gemv and weight.dtype == torch.float32)
         plain_weight = None if not plain else weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
         return cls(packed, plain_weight, None if bias is None else bias.detach())
 
