@@ -56,6 +56,27 @@ def test_rows_of_equal_length_write_one_slice_and_skip_the_mask(fused, monkeypat
         torch.testing.assert_close(narrow[row, 0], full[6], rtol=1e-6, atol=1e-6)
 
 
+def test_a_prefill_from_an_empty_cache_runs_causal_attention_and_matches_the_full_forward(monkeypatch):
+    """Rows fed from an empty cache take SDPA's causal path (no mask to read, the blocks above the diagonal
+    skipped), padding included, and get the full forward's states; a step after a cached prefix keeps the mask."""
+    import workers.engine.fused_decoder as fused_decoder
+
+    model = tiny_llama(64, layers=2, seed=5)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+    calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(fused_decoder.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k["is_causal"]) or sdpa(*a, **k))
+    lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)
+    hidden = lm.prefill(prompts, 0)
+    assert calls and all(calls)
+    for row, prompt in enumerate(prompts):
+        full = model.get_decoder()(torch.tensor([prompt[:-1]])).last_hidden_state[0]
+        torch.testing.assert_close(hidden[row, : len(prompt) - 1], full, rtol=1e-6, atol=1e-6)
+    calls.clear()
+    lm.logits(torch.tensor([[12, 30], [19, 31]]))
+    assert calls and not any(calls)
+
+
 def test_slot_moves_keep_a_row_intact():
     model = tiny_llama(64, layers=2, seed=4)
     lm = CachedLM(DecodingModel.prepare(model), max_rows=2, capacity=32)

@@ -95,9 +95,13 @@ class FusedDecoder:
         position -> final hidden states (n, q, hidden)."""
         h = self.embed(tokens)
         cos, sin = (t.unsqueeze(2) for t in self.rotary(h, positions))           # (n, q, 1, head_dim)
+        # A prompt fed from an empty cache sees exactly the causal triangle: the kernel then skips the blocks
+        # above it instead of reading the mask over all of them (about half of a long prefill's attention).
+        causal = mask is not None and cache.kv_len == tokens.shape[1]
         for index, layer in enumerate(self.layers):
             query, key, value = self._before_attention(h, cos, sin, layer, self.heads, self.kv_heads, self.eps)
             keys, values = cache.update(key, value, index)
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=None if causal else mask,
+                                                  is_causal=causal, enable_gqa=True)
             h = self._after_attention(h, attn, layer, self.eps)
         return _rms(h, self.norm, self.eps)
