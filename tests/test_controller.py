@@ -391,6 +391,27 @@ def test_cost_model_tries_wider_passes_before_it_has_measured_them():
     assert costs.verify(16, 3) == pytest.approx((0.26 + 0.5) / 2)
 
 
+def test_cost_model_refits_after_new_cells_or_every_few_passes_not_every_pass(monkeypatch):
+    """A batch holding one width is priced from the fit at every plan: the fit is redone after a new cell at
+    once, and otherwise once `refit_every` passes have moved the means, so its prices follow within that."""
+    fits, lstsq = [], np.linalg.lstsq
+    monkeypatch.setattr(np.linalg, "lstsq", lambda *a, **k: fits.append(1) or lstsq(*a, **k))
+    costs, fresh = CostModel(refit_every=8), CostModel(refit_every=1)
+    for model in (costs, fresh):
+        model.observe(8, 1, 0.1, 0, 0.0)
+        model.observe(8, 3, 0.2, 2, 0.0)
+    for step in range(64):
+        for model in (costs, fresh):
+            model.observe(16, 1, 0.3 + 0.001 * step, 0, 0.0)
+        costs.verify(16, np.arange(1, 10))
+    assert 64 // 8 <= len(fits) <= 64 // 8 + 2
+    fits.clear()
+    for model in (costs, fresh):
+        model.observe(16, 1, 0.5, 0, 0.0)
+    np.testing.assert_allclose(costs.verify(12, np.arange(1, 10)), fresh.verify(12, np.arange(1, 10)), rtol=0.05)
+    assert fits
+
+
 def constant(alpha_rows: np.ndarray, goes_on: np.ndarray | None = None):
     return lambda t: (np.ones_like(alpha_rows) if goes_on is None else goes_on, alpha_rows)
 

@@ -92,15 +92,17 @@ class CostModel:
     / draft methods (verify taking an array of widths).
 
     The controller prices every width each step, so `verify` takes all widths at once, and the fit is
-    redone only when a price needs it (a row count or width not measured yet), not on every pass."""
+    redone only when a price needs it (a row count or width not measured yet), not on every pass: after a new
+    cell, or once `refit_every` passes have moved the cells' means since the last fit (a least-squares fit
+    costs about as much as the rest of a plan, and a batch that holds one width asks for it at every plan)."""
 
-    def __init__(self, column_share: float = 0.1, memory: int | None = 20):
+    def __init__(self, column_share: float = 0.1, memory: int | None = 20, refit_every: int = 8):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
         self.memory = math.inf if memory is None else memory
         self.widths: dict[int, list[int]] = {}    # the widths measured at each row count, ascending
-        self.column_share = column_share
+        self.column_share, self.refit_every = column_share, refit_every
         self.draft_per_column = 0.0
-        self._coef, self._fitted = np.array([1.0, 0.0, 0.0]), True
+        self._coef, self._fitted, self._since_fit = np.array([1.0, 0.0, 0.0]), True, 0
 
     def observe(self, n: int, width: int, verify_s: float, columns: int, draft_s: float) -> None:
         mean, count = self.cells.get((n, width), (0.0, 0))
@@ -110,7 +112,9 @@ class CostModel:
         self.cells[(n, width)] = (mean + weight * (verify_s - mean), count + 1)
         if columns:
             self.draft_per_column += 0.1 * (draft_s / columns - self.draft_per_column)
-        self._fitted = len(self.cells) < 2
+        self._since_fit += 1
+        if not count or self._since_fit >= self.refit_every:
+            self._fitted = len(self.cells) < 2
 
     @property
     def coef(self) -> np.ndarray:
@@ -122,7 +126,7 @@ class CostModel:
             y = np.array([self.cells[key][0] for key in keys])
             sw = np.sqrt([min(self.cells[key][1], self.memory) for key in keys])
             coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
-            self._coef, self._fitted = np.maximum(coef, [1e-6, 0.0, 1e-9]), True
+            self._coef, self._fitted, self._since_fit = np.maximum(coef, [1e-6, 0.0, 1e-9]), True, 0
         return self._coef
 
     def _widths_measured(self) -> bool:
