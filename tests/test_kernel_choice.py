@@ -28,9 +28,9 @@ def test_packed_width_1_pass_matches_the_gemv_pass_and_drops_plain_weights(one_t
     assert set(timings) == {"gemv_ms", "packed_ms"} and min(timings.values()) > 0
     torch.testing.assert_close(_logits(chosen, prompt), want, rtol=1e-4, atol=1e-4)
     packed = packed_only(DecodingModel.prepare(tiny_llama(300, dtype=torch.float32)))
-    assert packed.head.plain is None and all(layer.qkv.plain is None for layer in packed.fused.layers)
+    assert packed.head.few_rows is None and all(layer.qkv.few_rows is None for layer in packed.fused.layers)
     torch.testing.assert_close(_logits(packed, prompt), want, rtol=1e-4, atol=1e-4)
-    assert model.head.plain is not None, "choosing leaves the model it was given untouched"
+    assert model.head.few_rows is not None, "choosing leaves the model it was given untouched"
 
 
 def test_a_remembered_choice_is_taken_without_measuring(one_torch_thread, tmp_path, monkeypatch):
@@ -43,9 +43,9 @@ def test_a_remembered_choice_is_taken_without_measuring(one_torch_thread, tmp_pa
     chosen, first = choose_single_row_kernel(model, repeats=1, remembered=remembered)
     monkeypatch.setattr(kc, "_pass_s", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
     again, second = choose_single_row_kernel(model, repeats=1, remembered=remembered)
-    assert second == first and (again.head.plain is None) == (chosen.head.plain is None)
+    assert second == first and (again.head.few_rows is None) == (chosen.head.few_rows is None)
     remembered.write_text(remembered.read_text().replace(str(first["packed_ms"]), "1e9"))  # plain GEMV "won"
-    assert choose_single_row_kernel(model, remembered=remembered)[0].head.plain is not None
+    assert choose_single_row_kernel(model, remembered=remembered)[0].head.few_rows is not None
 
 
 def test_a_worker_whose_cpu_is_known_to_favour_packed_never_builds_plain_copies(one_torch_thread, model_dir, tmp_path,
@@ -69,5 +69,5 @@ def test_a_worker_whose_cpu_is_known_to_favour_packed_never_builds_plain_copies(
         remembered.write_text(json.dumps({key: {"gemv_ms": 2.0, "packed_ms": packed_ms}}))
         built.clear()
         target = load_models(config, torch.device("cpu")).target
-        assert built and all((weights.plain is not None) == plain_kept for weights in built)
-        assert (target.head.plain is not None) == plain_kept
+        assert built and all((weights.few_rows is not None) == plain_kept for weights in built)
+        assert (target.head.few_rows is not None) == plain_kept

@@ -204,7 +204,7 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
           "controller ms/step = time in the adaptive or fixed controller per target pass; "
           "exact = every row with a reference equals transformers' greedy output at batch 1, and every row of "
           "ours equals our k=0 output.",
-        (f"Roofline: memory bandwidth {num(meta['bandwidth_gb_s'])} GB/s (best large tensor copy, read + write); "
+        (f"Roofline: memory bandwidth {num(meta['bandwidth_gb_s'])} GB/s (best read-only pass over a large tensor); "
          f"a target pass reads {num(meta['weight_mb'])} MB of weights plus {num(meta['kv_kb_per_token'])} kB of KV "
          "cache per cached token of each live row (MB/pass); floor = those bytes / bandwidth; % floor = floor time "
          "per pass / measured time per pass (drafting and prefill included)."),

@@ -10,16 +10,17 @@ import torch
 
 from jobs.bench.timing import timed
 
-COPY_MB = {"cpu": 256, "cuda": 2048}   # far beyond the caches, so the copy streams from memory
+PROBE_MB = {"cpu": 256, "cuda": 2048}   # far beyond the caches, so the probe streams from memory
 
 
 def measure_bandwidth(device: torch.device, repeats: int = 5, mb: int | None = None) -> float:
-    """Bytes per second of a large tensor copy (read + write counted, as STREAM's copy), best of `repeats`."""
-    n = (mb or COPY_MB.get(device.type, 256)) * 2**20 // 4
-    src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
-    dst.copy_(src)   # pages both buffers in
-    best = min(timed(device, lambda: dst.copy_(src))[1] for _ in range(repeats))
-    return 2 * src.nbytes / best
+    """Bytes per second of reading a large tensor once (a sum: read-only, as a pass reads its weights; a copy
+    would also count writes, which share the bus differently), best of `repeats`."""
+    n = (mb or PROBE_MB.get(device.type, 256)) * 2**20 // 4
+    src = torch.ones(n, device=device)
+    src.sum()   # pages the buffer in
+    best = min(timed(device, lambda: src.sum())[1] for _ in range(repeats))
+    return src.nbytes / best
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -16,8 +16,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from workers.engine.fused_decoder import FusedDecoder, _rms
+from workers.engine.fused_decoder import FusedDecoder
 from workers.engine.kv_cache import SlotCache
+from workers.engine.linear import rms_norm
 
 WIDTHS = (1, 2, 4, 8, 16)   # verify widths captured: k + 1 for k up to 15; wider passes run eagerly
 
@@ -51,8 +52,8 @@ def static_step(fused: FusedDecoder, cache: SlotCache, tokens: torch.Tensor, pos
         keys.scatter_(2, where, key)
         values.scatter_(2, where, value)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-        h = fused._after_attention(h, attn, layer, fused.eps)
-    return _rms(h, fused.norm, fused.eps)
+        h = fused._after_attention(h, attn.transpose(1, 2).flatten(2), layer, fused.eps)
+    return rms_norm(h, fused.norm, fused.eps)
 
 
 class _Bucket:

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import rotate_half
 
+from workers.engine import native
 from workers.engine.kv_cache import SlotCache
-from workers.engine.linear import Linear, linear
+from workers.engine.linear import Linear, gated_linear, linear, norm_linear, rms_norm
 
 SUPPORTED = {"llama", "qwen2"}
 
@@ -36,30 +37,20 @@ class _Layer(NamedTuple):
     down: Linear
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: one fused op where the dtype makes it bit-identical (fp32/fp64), else its formula."""
-    if x.dtype in (torch.float32, torch.float64):
-        return torch.rms_norm(x, weight.shape, weight, eps)
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def _attention_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: _Layer, heads: int, kv_heads: int,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, fused QKV, and rotary on query and key heads at once -> query, key, value (n, heads, q, head_dim)."""
     n, q, _ = h.shape
-    qkv = linear(_rms(h, layer.norm1, eps), layer.qkv).view(n, q, heads + 2 * kv_heads, -1)
+    qkv = norm_linear(h, layer.norm1, eps, layer.qkv).view(n, q, heads + 2 * kv_heads, -1)
     qk = qkv[:, :, : heads + kv_heads]
     qk = qk * cos + rotate_half(qk) * sin
     return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
 
 
 def _attention_out_and_mlp(h: torch.Tensor, attn: torch.Tensor, layer: _Layer, eps: float) -> torch.Tensor:
-    """Output projection and the gated MLP, each added to the residual stream."""
-    n, _, q, _ = attn.shape
-    h = linear(attn.transpose(1, 2).reshape(n, q, -1), layer.o, h)
-    gate, up = linear(_rms(h, layer.norm2, eps), layer.gate_up).chunk(2, -1)
-    return linear(F.silu(gate) * up, layer.down, h)
+    """Output projection of attn (n, q, heads * head_dim) and the gated MLP, each added to the residual stream."""
+    h = linear(attn, layer.o, h)
+    return gated_linear(norm_linear(h, layer.norm2, eps, layer.gate_up), layer.down, h)
 
 
 class FusedDecoder:
@@ -79,8 +70,16 @@ class FusedDecoder:
             self.layers.append(_Layer(layer.input_layernorm.weight, _fuse([attn.q_proj, attn.k_proj, attn.v_proj], gemv),
                                       _fuse([attn.o_proj], gemv), layer.post_attention_layernorm.weight,
                                       _fuse([mlp.gate_proj, mlp.up_proj], gemv), _fuse([mlp.down_proj], gemv)))
+        self.compiled = compile
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
         self._before_attention, self._after_attention = wrap(_attention_inputs), wrap(_attention_out_and_mlp)
+
+    def _native_attention(self, h: torch.Tensor, cache: SlotCache) -> bool:
+        """Whether this pass's attention runs in one C call per layer (native.decode_attention): a few fp32 rows
+        on a CPU, eagerly, over cache buffers the prefill has already allocated."""
+        return (not self.compiled and h.dtype == torch.float32 and h.device.type == "cpu"
+                and h.shape[0] * h.shape[1] <= native.MAX_ROWS and len(cache.keys) == len(self.layers)
+                and native.available())
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -94,7 +93,15 @@ class FusedDecoder:
         """tokens, positions (n, q); mask (n, 1, q, kv_len) additive, None when every query sees every cached
         position -> final hidden states (n, q, hidden)."""
         h = self.embed(tokens)
-        cos, sin = (t.unsqueeze(2) for t in self.rotary(h, positions))           # (n, q, 1, head_dim)
+        cos, sin = self.rotary(h, positions)                                      # (n, q, head_dim)
+        if self._native_attention(h, cache):
+            for index, layer in enumerate(self.layers):
+                qkv = norm_linear(h, layer.norm1, self.eps, layer.qkv)
+                attn = native.decode_attention(qkv, cos, sin, positions, cache.keys[index], cache.values[index],
+                                               cache.rows.start, self.heads, self.kv_heads)
+                h = self._after_attention(h, attn, layer, self.eps)
+            return rms_norm(h, self.norm, self.eps)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         # A prompt fed from an empty cache sees exactly the causal triangle: the kernel then skips the blocks
         # above it instead of reading the mask over all of them (about half of a long prefill's attention).
         causal = mask is not None and cache.kv_len == tokens.shape[1]
@@ -103,5 +110,5 @@ class FusedDecoder:
             keys, values = cache.update(key, value, index)
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=None if causal else mask,
                                                   is_causal=causal, enable_gqa=True)
-            h = self._after_attention(h, attn, layer, self.eps)
-        return _rms(h, self.norm, self.eps)
+            h = self._after_attention(h, attn.transpose(1, 2).flatten(2), layer, self.eps)
+        return rms_norm(h, self.norm, self.eps)

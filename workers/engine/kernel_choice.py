@@ -1,7 +1,7 @@
-"""Width-1 passes on a CPU: MKL's GEMV on plain weights or oneDNN's packed kernel, chosen by measurement.
+"""Few-row passes on a CPU: a GEMV (the tiled C kernel, else MKL's) or oneDNN's packed kernel, by measurement.
 
-fp32 on a CPU keeps both layouts of every weight (workers/engine/linear.py): the packed one for several
-tokens, the plain one for MKL's GEMV at one token, which was faster on some CPUs. On others the GEMV is
+fp32 on a CPU keeps two layouts of every weight (workers/engine/linear.py): the packed one for many
+tokens, the tiled (or plain) one for a GEMV at a few tokens, which was faster on some CPUs. On others the GEMV is
 the slower, and a width-1 pass then costs more than a width-3 one, which both wastes the plain pass and
 misleads the controller. So the choice is measured once per loaded model, on a whole pass (the weights
 stream from memory as in decoding, not from cache), and the losing layout is freed. The choice is kept in
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from workers.engine import native
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.linear import Linear
@@ -29,7 +30,7 @@ CONTEXT = 64
 
 
 def _without_plain(weights: Linear) -> Linear:
-    return weights._replace(plain=None) if weights.packed is not None and weights.plain is not None else weights
+    return weights._replace(plain=None, tiled=None) if weights.packed is not None else weights
 
 
 def _pass_s(model: DecodingModel, repeats: int) -> float:
@@ -45,7 +46,7 @@ def _pass_s(model: DecodingModel, repeats: int) -> float:
 
 
 def packed_only(model: DecodingModel) -> DecodingModel:
-    """A copy of the model whose width-1 passes run on the packed kernel (plain copies dropped); the model given
+    """A copy of the model whose width-1 passes run on the packed kernel (GEMV copies dropped); the model given
     is left as it was."""
     fused = copy.copy(model.fused)
     if fused is not None:
@@ -59,7 +60,7 @@ def choose_single_row_kernel(model: DecodingModel, repeats: int = 5,
     """Time a width-1 pass both ways (interleaved) and keep the faster; returns the model and the timings (ms).
     With `remembered` (a JSON file), a choice measured before for the same CPU, torch, threads and model shape
     is taken from it instead: the measurement costs seconds at every worker start."""
-    if model.fused is None or model.head.plain is None or model.head.packed is None:
+    if model.fused is None or model.head.few_rows is None:
         return model, {}
     packed = packed_only(model)
     timings = remembered_timings(model, remembered) if remembered else None
@@ -85,11 +86,13 @@ def remembered_timings(model: DecodingModel | PreTrainedModel, remembered: Path)
 
 
 def _choice_key(model: DecodingModel | PreTrainedModel) -> str:
-    """What decides which kernel wins: the CPU, torch's build and threads, and the model's shape and dtype."""
+    """What decides which kernel wins: the CPU, torch's build and threads, the GEMV on offer, and the model's
+    shape and dtype."""
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "unknown cpu")
     c = model.config
-    return (f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|{c.num_hidden_layers}x{c.hidden_size}"
-            f"x{c.intermediate_size}x{c.vocab_size}|{model.dtype}")
+    gemv = "tiled" if native.available() else "mkl"
+    return (f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|{gemv} gemv|{c.num_hidden_layers}x"
+            f"{c.hidden_size}x{c.intermediate_size}x{c.vocab_size}|{model.dtype}")
 
 
 def _cpuinfo() -> list[str]:
