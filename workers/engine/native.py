@@ -84,8 +84,10 @@ def available() -> bool:
 def tile(weight: torch.Tensor) -> torch.Tensor:
     """(out, in) -> (blocks, in, 16): each block holds 16 outputs' weights interleaved by input (zero-padded)."""
     out, features = weight.shape
-    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out % TILE))
-    return padded.view(-1, TILE, features).transpose(1, 2).contiguous()
+    weight = weight.detach()
+    if out % TILE:  # one copy, not two, where the outputs fill whole tiles (every SmolLM2 and Llama weight)
+        weight = torch.nn.functional.pad(weight, (0, 0, 0, -out % TILE))
+    return weight.view(-1, TILE, features).transpose(1, 2).contiguous()
 
 
 def tiled_linear(x: torch.Tensor, tiled: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
