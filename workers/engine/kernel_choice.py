@@ -29,7 +29,7 @@ from workers.engine.linear import Linear
 CONTEXT = 64
 
 
-def _without_plain(weights: Linear) -> Linear:
+def _without_few_rows(weights: Linear) -> Linear:
     return weights._replace(plain=None, tiled=None) if weights.packed is not None else weights
 
 
@@ -50,9 +50,9 @@ def packed_only(model: DecodingModel) -> DecodingModel:
     is left as it was."""
     fused = copy.copy(model.fused)
     if fused is not None:
-        fused.layers = [layer._replace(**{name: _without_plain(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")})
+        fused.layers = [layer._replace(**{name: _without_few_rows(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")})
                         for layer in fused.layers]
-    return dataclasses.replace(model, fused=fused, head=_without_plain(model.head))
+    return dataclasses.replace(model, fused=fused, head=_without_few_rows(model.head))
 
 
 def choose_single_row_kernel(model: DecodingModel, repeats: int = 5,
@@ -88,18 +88,11 @@ def remembered_timings(model: DecodingModel | PreTrainedModel, remembered: Path)
 def _choice_key(model: DecodingModel | PreTrainedModel) -> str:
     """What decides which kernel wins: the CPU, torch's build and threads, the GEMV on offer, and the model's
     shape and dtype."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "unknown cpu")
+    cpu = next((line.split(":", 1)[1].strip() for line in native.cpuinfo() if line.startswith("model name")), "unknown cpu")
     c = model.config
     gemv = "tiled" if native.available() else "mkl"
     return (f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|{gemv} gemv|{c.num_hidden_layers}x"
             f"{c.hidden_size}x{c.intermediate_size}x{c.vocab_size}|{model.dtype}")
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
 
 
 def _read(path: Path) -> dict:

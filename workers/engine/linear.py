@@ -35,11 +35,9 @@ def _plain(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None, resi
 
 
 def _packed(x: torch.Tensor, packed: torch.Tensor, plain: torch.Tensor | None, bias: torch.Tensor | None,
-            residual: torch.Tensor | None, tiled: torch.Tensor | None = None) -> torch.Tensor:
-    """oneDNN for several rows (the residual add is the GEMM's epilogue: one kernel, same rounding); the tiled
-    C kernel for up to 16 rows, or MKL's GEMV on the plain layout for one row, where those are kept."""
-    if tiled is not None and x.numel() <= native.MAX_ROWS * x.shape[-1]:
-        return native.tiled_linear(x, tiled, packed.shape[0], bias, residual)
+            residual: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN for several rows (the residual add is the GEMM's epilogue: one kernel, same rounding); MKL's
+    GEMV on the plain layout for one row where it is kept."""
     if plain is not None and x.numel() == x.shape[-1]:
         return _plain(x, plain, bias, residual)
     if residual is None:
@@ -51,7 +49,7 @@ def _packed(x: torch.Tensor, packed: torch.Tensor, plain: torch.Tensor | None, b
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, plain: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                   residual: Optional[torch.Tensor]) -> torch.Tensor:
     """The packed matmul as one opaque op for torch.compile, which cannot lower oneDNN's packed weights itself."""
-    return _packed(x, packed, plain, bias, residual)  # the tiled layout stays out of compiled graphs
+    return _packed(x, packed, plain, bias, residual)
 
 
 @packed_linear.register_fake
@@ -95,23 +93,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _tiled_serves(x: torch.Tensor, weights: Linear, features: int) -> bool:
-    return (weights.tiled is not None and x.numel() <= native.MAX_ROWS * features
-            and not torch.compiler.is_compiling())
+def _tiled(x: torch.Tensor, weights: Linear, residual: torch.Tensor | None = None, **prologue) -> torch.Tensor | None:
+    """The C kernel's product where it serves these rows (tiled layout kept, at most native.MAX_ROWS rows,
+    eager), else None; `prologue`: its norm or gate on the input (native.tiled_linear)."""
+    if weights.tiled is None or x.numel() > native.MAX_ROWS * x.shape[-1] or torch.compiler.is_compiling():
+        return None
+    return native.tiled_linear(x, weights.tiled, weights.packed.shape[0], weights.bias, residual, **prologue)
 
 
 def norm_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weights: Linear) -> torch.Tensor:
     """linear(rms_norm(x, norm, eps), weights), the norm inside the C kernel where that serves these rows."""
-    if _tiled_serves(x, weights, x.shape[-1]):
-        return native.tiled_linear(x, weights.tiled, weights.packed.shape[0], weights.bias, norm=norm, eps=eps)
-    return linear(rms_norm(x, norm, eps), weights)
+    y = _tiled(x, weights, norm=norm, eps=eps)
+    return y if y is not None else linear(rms_norm(x, norm, eps), weights)
 
 
 def gated_linear(gate_up: torch.Tensor, weights: Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
     """linear(silu(gate) * up, weights, residual) for gate_up = [gate | up], the gate inside the C kernel where
     that serves these rows."""
-    if _tiled_serves(gate_up, weights, gate_up.shape[-1]):
-        return native.tiled_linear(gate_up, weights.tiled, weights.packed.shape[0], weights.bias, residual, gated=True)
+    y = _tiled(gate_up, weights, residual, gated=True)
+    if y is not None:
+        return y
     gate, up = gate_up.chunk(2, -1)
     return linear(F.silu(gate) * up, weights, residual)
 
@@ -119,6 +120,9 @@ def gated_linear(gate_up: torch.Tensor, weights: Linear, residual: torch.Tensor 
 def linear(x: torch.Tensor, weights: Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
     if weights.packed is None:
         return _plain(x, weights.plain, weights.bias, residual)
+    y = _tiled(x, weights, residual)
+    if y is not None:
+        return y
     if torch.compiler.is_compiling():
         return packed_linear(x, weights.packed, weights.plain, weights.bias, residual)
-    return _packed(x, weights.packed, weights.plain, weights.bias, residual, weights.tiled)  # eager: no custom op
+    return _packed(x, weights.packed, weights.plain, weights.bias, residual)  # eager: skip the custom op's dispatch cost

@@ -1,6 +1,6 @@
 /* y = f(x) @ w.T (+ bias) (+ residual) for a few fp32 rows, with w laid out in tiles of 16 outputs:
- * tiled[b, i, j] = w[16 b + j, i]. Each weight vector is loaded once and multiplied into every row, so one
- * to three rows stream the weights at close to the memory's read bandwidth. Every row is summed in the same
+ * tiled[b, i, j] = w[16 b + j, i]. Each weight vector is loaded once and multiplied into every row of a block,
+ * so a few rows stream the weights at close to the memory's read bandwidth. Every row is summed in the same
  * order whatever the row count, so a row's result does not depend on the rows beside it. f is the identity,
  * an RMS norm (norm != NULL) or a SiLU gate (gated: x holds [gate | up], f = silu(gate) * up): done here, on
  * a few rows, they cost nothing next to the weights, where torch's own ops cost ~30 us each per layer.
@@ -10,14 +10,14 @@
 #include <string.h>
 
 #define TILE 16
-#define MAX_ROWS 8
+#define BLOCK_ROWS 8
 typedef float v16 __attribute__((vector_size(TILE * sizeof(float))));
 
 static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
 static inline __attribute__((always_inline)) void rows_block(int rows, const float *x, long in, const float *w,
                                                              float *acc) {
-    v16 even[MAX_ROWS], odd[MAX_ROWS];
+    v16 even[BLOCK_ROWS], odd[BLOCK_ROWS];
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = (v16){0};
     long i = 0;
     for (; i + 1 < in; i += 2) {
@@ -67,9 +67,9 @@ void tiled_linear(const float *x, long n, long in, const float *tiled, long out,
     for (long b = 0; b < blocks; ++b) {
         const float *w = tiled + b * in * TILE;
         long width = out - b * TILE < TILE ? out - b * TILE : TILE;
-        for (long r0 = 0; r0 < n; r0 += MAX_ROWS) {
-            float acc[MAX_ROWS * TILE];
-            int rows = n - r0 < MAX_ROWS ? (int)(n - r0) : MAX_ROWS;
+        for (long r0 = 0; r0 < n; r0 += BLOCK_ROWS) {
+            float acc[BLOCK_ROWS * TILE];
+            int rows = n - r0 < BLOCK_ROWS ? (int)(n - r0) : BLOCK_ROWS;
             const float *xr = x + r0 * in;
             switch (rows) {  /* constant row counts, so each case keeps its accumulators in registers */
                 case 1: rows_block(1, xr, in, w, acc); break;
