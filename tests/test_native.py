@@ -114,3 +114,19 @@ def test_decode_attention_matches_torch_rotary_cache_write_and_causal_sdpa():
     torch.testing.assert_close(keys, want_keys, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(values, want_values)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_querys_attention_does_not_depend_on_the_rows_or_tokens_beside_it():
+    """Bit for bit: a row's first new token attends the same alone as inside a batch of rows and a verify block
+    (the cache it sees is the same: later tokens' keys sit past its position)."""
+    torch.manual_seed(4)
+    n, q, heads, kv_heads, d, capacity = 3, 2, 6, 2, 64, 40
+    positions = torch.tensor([7, 30, 18])[:, None] + torch.arange(q)
+    qkv, cos, sin = torch.randn(n, q, (heads + 2 * kv_heads) * d), torch.randn(n, q, d), torch.randn(n, q, d)
+    keys, values = torch.randn(n, kv_heads, capacity, d), torch.randn(n, kv_heads, capacity, d)
+    together = native.decode_attention(qkv, cos, sin, positions, keys.clone(), values.clone(), 0, heads, kv_heads)
+    for row in range(n):
+        one = slice(row, row + 1)
+        alone = native.decode_attention(qkv[one, :1], cos[one, :1], sin[one, :1], positions[one, :1], keys.clone(),
+                                        values.clone(), row, heads, kv_heads)
+        assert torch.equal(alone[0, 0], together[row, 0])

@@ -5,14 +5,23 @@
  *   qkv        (n, q, heads + 2 kv_heads, d), as the fused QKV projection writes it
  *   cos, sin   (n, q, d); positions (n, q)
  *   keys, values  this layer's (slots, kv_heads, capacity, d) buffers; the rows are slots first .. first + n - 1
- *   out        (n, q, heads, d), as the output projection reads it */
+ *   out        (n, q, heads, d), as the output projection reads it
+ * One task per (new token, KV head): the query heads that share a KV head read each cached key and value once
+ * between them. Dot products sum their lanes as a tree, exp runs 16 scores at a time and values accumulate in
+ * vectors; a query's arithmetic is the same whatever tokens, rows or heads run beside it. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(16 * sizeof(float))));
+#define LANES 16
+typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+typedef float v2 __attribute__((vector_size(2 * sizeof(float))));
+typedef int i16 __attribute__((vector_size(LANES * sizeof(int))));
 
 static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 /* transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin */
 static void rotate(const float *x, const float *cos, const float *sin, long d, float *dst) {
@@ -23,20 +32,94 @@ static void rotate(const float *x, const float *cos, const float *sin, long d, f
     }
 }
 
+/* The 16 lanes summed pairwise in registers (8 + 8, 4 + 4, 2 + 2, 1 + 1): four dependent adds, not sixteen. */
+static inline float sum_lanes(v16 v) {
+    v8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    v2 s2 = __builtin_shufflevector(s4, s4, 0, 1) + __builtin_shufflevector(s4, s4, 2, 3);
+    return s2[0] + s2[1];
+}
+
 static inline float dot(const float *a, const float *b, long d) {
     v16 acc = {0};
     long i = 0;
-    for (; i + 16 <= d; i += 16) acc += load(a + i) * load(b + i);
-    float sum = 0;
-    for (int j = 0; j < 16; ++j) sum += acc[j];
+    for (; i + LANES <= d; i += LANES) acc += load(a + i) * load(b + i);
+    float sum = sum_lanes(acc);
     for (; i < d; ++i) sum += a[i] * b[i];
     return sum;
+}
+
+/* exp(x) of 16 scores minus their maximum (x <= 0): x = n ln2 + y with |y| <= ln2 / 2 (Cody-Waite's two-part
+ * ln2), e^y by its Taylor series to y^7 (truncation below 2e-9, relative), times 2^n set in the exponent bits.
+ * Below -87 (where 2^n would leave the normal range) it is 0: next to the maximum's 1 such terms vanish. */
+static inline v16 exp_scores(v16 x) {
+    const v16 zero = {0};
+    i16 kept = x >= zero - 87.0f;
+    x = (v16)((i16)x & kept);                                          /* dropped lanes compute exp(0) */
+    i16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16);  /* round(x / ln2), x <= 0 */
+    v16 nf = __builtin_convertvector(n, v16);
+    v16 y = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;
+    v16 p = zero + 1.0f / 5040;
+    p = p * y + 1.0f / 720;
+    p = p * y + 1.0f / 120;
+    p = p * y + 1.0f / 24;
+    p = p * y + 1.0f / 6;
+    p = p * y + 0.5f;
+    p = p * y + 1.0f;
+    p = p * y + 1.0f;
+    v16 scale = (v16)((n + 127) << 23);
+    return (v16)((i16)(p * scale) & kept);
+}
+
+/* Softmax-weighted sum of one KV head's values for `group` query heads; queries (group, d) already rotated. */
+static void attend(const float *queries, long group, long d, const float *k, const float *v, long visible,
+                   float scale, float *scores, float *out) {
+    for (long h = 0; h < group; ++h) {
+        float *s = scores + h * visible, top = -INFINITY;
+        for (long j = 0; j < visible; ++j) {
+            s[j] = dot(queries + h * d, k + j * d, d) * scale;
+            top = s[j] > top ? s[j] : top;
+        }
+        long j = 0;
+        for (; j + LANES <= visible; j += LANES) store(s + j, exp_scores(load(s + j) - top));
+        if (j < visible) {
+            float tail[LANES] = {0};
+            memcpy(tail, s + j, (visible - j) * sizeof(float));
+            v16 e = exp_scores(load(tail) - top);
+            memcpy(s + j, &e, (visible - j) * sizeof(float));
+        }
+    }
+    for (long h = 0; h < group; ++h) {
+        const float *s = scores + h * visible;
+        float *o = out + h * d, total = 0;
+        for (long j = 0; j < visible; ++j) total += s[j];
+        long i = 0;
+        for (; i + 4 * LANES <= d; i += 4 * LANES) {  /* four independent sums per key, kept in registers */
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (long j = 0; j < visible; ++j) {
+                const float *vj = v + j * d + i;
+                a0 += load(vj) * s[j];
+                a1 += load(vj + LANES) * s[j];
+                a2 += load(vj + 2 * LANES) * s[j];
+                a3 += load(vj + 3 * LANES) * s[j];
+            }
+            store(o + i, a0 / total);
+            store(o + i + LANES, a1 / total);
+            store(o + i + 2 * LANES, a2 / total);
+            store(o + i + 3 * LANES, a3 / total);
+        }
+        for (; i < d; ++i) {
+            float a = 0;
+            for (long j = 0; j < visible; ++j) a += v[j * d + i] * s[j];
+            o[i] = a / total;
+        }
+    }
 }
 
 void decode_attention(const float *qkv, long n, long q, long heads, long kv_heads, long d, const float *cos,
                       const float *sin, const long *positions, float *keys, float *values, long capacity,
                       long first, float *out, int threads) {
-    long width = (heads + 2 * kv_heads) * d, slot = kv_heads * capacity * d;
+    long width = (heads + 2 * kv_heads) * d, slot = kv_heads * capacity * d, group = heads / kv_heads;
     for (long r = 0; r < n; ++r)
         for (long t = 0; t < q; ++t) {
             long token = r * q + t, at = positions[token];
@@ -48,26 +131,15 @@ void decode_attention(const float *qkv, long n, long q, long heads, long kv_head
             }
         }
     float scale = 1.0f / sqrtf((float)d);
-    long group = heads / kv_heads;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long task = 0; task < n * q * heads; ++task) {
-        long token = task / heads, h = task % heads, r = token / q, visible = positions[token] + 1;
-        float query[d], *o = out + (token * heads + h) * d;
-        rotate(qkv + token * width + h * d, cos + token * d, sin + token * d, d, query);
-        const float *k = keys + (first + r) * slot + (h / group) * capacity * d;
-        const float *v = values + (first + r) * slot + (h / group) * capacity * d;
-        float *scores = malloc(visible * sizeof(float)), top = -INFINITY, total = 0;
-        for (long j = 0; j < visible; ++j) {
-            scores[j] = dot(query, k + j * d, d) * scale;
-            top = scores[j] > top ? scores[j] : top;
-        }
-        memset(o, 0, d * sizeof(float));
-        for (long j = 0; j < visible; ++j) {
-            float p = expf(scores[j] - top);
-            total += p;
-            for (long i = 0; i < d; ++i) o[i] += p * v[j * d + i];
-        }
-        for (long i = 0; i < d; ++i) o[i] /= total;
+    for (long task = 0; task < n * q * kv_heads; ++task) {
+        long token = task / kv_heads, g = task % kv_heads, r = token / q, visible = positions[token] + 1;
+        float *queries = malloc(group * d * sizeof(float)), *scores = malloc(group * visible * sizeof(float));
+        for (long h = 0; h < group; ++h)
+            rotate(qkv + token * width + (g * group + h) * d, cos + token * d, sin + token * d, d, queries + h * d);
+        long base = (first + r) * slot + g * capacity * d;
+        attend(queries, group, d, keys + base, values + base, visible, scale, scores, out + (token * heads + g * group) * d);
+        free(queries);
         free(scores);
     }
 }
