@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -22,12 +23,13 @@ from jobs.bench import benchmark, run_bench
 from jobs.bench.cells import schedule
 from jobs.bench.config import BenchError, load_bench_config, resolve_device
 from jobs.bench.goals import goal_rows
+from jobs.bench.long_prefill import long_prompts
 from jobs.bench.oracle import fit_costs, oracle_rate, run_rate
 from jobs.bench.report import COLUMNS
 from jobs.bench.roofline import Floor, kv_bytes_per_token, measure_bandwidth, weight_bytes
 from jobs.bench.spread import INCONCLUSIVE, MET, NOT_MET, ratio_range, verdict
 from jobs.bench.systems import bench_systems
-from jobs.bench.workloads import MIX, build_workloads, cell_rows, skipped_cells
+from jobs.bench.workloads import MIX, Prompt, build_workloads, cell_rows, skipped_cells
 from jobs.suite import load_suite
 from workers.engine.controller import StepRecord
 from workers.registry import encode_prompt
@@ -66,6 +68,7 @@ def tiny_bench_config(model_dir: str, suite: Path, **over) -> dict:
         "prompt_lookup_num_tokens": 4,
         "pipeline": {"enabled": False},
         "passes": {"batch_sizes": [1, 2], "widths": [1, 3], "repeats": 2},
+        "prefill": {"lengths": [40], "repeats": 2},
         "peers": [],   # installed peers (make bench-peers) are no part of these tests: tests/test_peers.py fakes them
     }
     return {**config, **over}
@@ -264,7 +267,13 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
                                                                    and q["width"] == 1))
         assert (p["width"] == 1) == (p.get("prefill_tok_s", 0) > 0 and p.get("transformers_prefill_tok_s", 0) > 0)
 
+    long = json.loads(pq.read_schema(out / "results.parquet").metadata[b"specbatch_bench"])["long_prefill"]
+    assert {r["system"] for r in long} == {"specbatch", "transformers"} and all(r["exact"] for r in long)
+    assert all(r["min_s"] <= r["first_token_s"] <= r["max_s"] and r["tok_s"] == pytest.approx(40 / r["first_token_s"])
+               for r in long)
+
     text = (out / "results.md").read_text()
+    assert "| prompt tokens | system | first token s (min–max) |" in text
     assert "specbatch bench --config tiny.yaml" in text and "report half" in text and "% floor" in text
     assert "| prefill tok/s | transformers prefill tok/s |" in text
     assert "Goals (issues 12 and 13)" in text and "| rewriting | 1 | specbatch k=0 |" in text
@@ -326,3 +335,12 @@ def test_gpu_check_parts_run_on_a_tiny_shape(one_torch_thread):
     assert len(passes) == 2 * 2 * 2 and all(r["ms"] > 0 and r["floor_ms"] > 0 for r in passes)
     table = gpu_check.markdown({"device": "cpu", "shape": "custom", "exactness": exact, "speed": speed, "passes": passes})
     assert "| captured | 2 | 4 |" in table and "3/3" in table
+
+
+def test_long_prompts_are_consecutive_slices_of_the_suite_cycled_when_short():
+    source = SimpleNamespace(id="p")
+    workloads = {"a": [Prompt(source, (1, 2, 3))], "b": [Prompt(source, (4, 5))]}
+    prompts = long_prompts(workloads, 4, 3)
+    assert [p.ids for p in prompts] == [(1, 2, 3, 4), (5, 1, 2, 3), (4, 5, 1, 2)]
+    with pytest.raises(ValueError, match="needs prompts"):
+        long_prompts({"a": []}, 4, 1)

@@ -5,6 +5,7 @@ a message, the request and reply, runner lifetimes (vLLM: one per batch size), f
 ratio over the best peer and the tables, and a whole bench run with peers."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -194,6 +195,11 @@ def test_bench_runs_the_peers_beside_the_others(cache, model_dir, tmp_path, one_
         assert ours["best_peer"] == "llama.cpp"
         assert ours["ratio_vs_peer"] == pytest.approx(ours["tokens_per_s"] / peer["tokens_per_s"])
     assert len(results) == len(rows)
+    long = {r["system"]: r for r in json.loads(pq.read_schema(out / "results.parquet").metadata[b"specbatch_bench"])[
+        "long_prefill"]}
+    assert set(long) == {"specbatch", "transformers", "llama.cpp"}   # the failed vLLM is not asked again
+    assert long["specbatch"]["exact"] and not long["llama.cpp"]["exact"]   # the fake's tokens are its own
+    assert long["specbatch"]["ours_over_best_peer"] == pytest.approx(long["specbatch"]["tok_s"] / long["llama.cpp"]["tok_s"])
     text = (out / "results.md").read_text()
     assert "vLLM-CPU: FAILED and dropped" in text and "fake load failure" in text
     assert "llama.cpp: fake peer_llama" in text and "Against the peers (rewriting)" in text

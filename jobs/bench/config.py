@@ -50,6 +50,12 @@ class PassesBenchConfig(_Strict):
     compile: bool = False   # also time model.compile's passes (the first ones compile: minutes on a small CPU)
 
 
+class PrefillBenchConfig(_Strict):
+    enabled: bool = True
+    lengths: list[int] = Field(default_factory=lambda: [512], min_length=1)   # prompt tokens
+    repeats: int = Field(3, ge=1)
+
+
 class BenchConfig(_Strict):
     model: BenchModelConfig = Field(default_factory=BenchModelConfig)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
@@ -76,11 +82,14 @@ class BenchConfig(_Strict):
     peers: list[Literal["llama.cpp", "vllm"]] = Field(default_factory=lambda: ["llama.cpp", "vllm"])  # where installed
     pipeline: PipelineBenchConfig = Field(default_factory=PipelineBenchConfig)
     passes: PassesBenchConfig = Field(default_factory=PassesBenchConfig)
+    prefill: PrefillBenchConfig = Field(default_factory=PrefillBenchConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> BenchConfig:
         if any(k < 0 or k > self.max_k for k in self.ks):
             raise ValueError(f"ks must lie in 0..max_k ({self.max_k}), got {self.ks}")
+        if any(n < 2 for n in self.prefill.lengths):
+            raise ValueError(f"prefill.lengths must be >= 2 prompt tokens, got {self.prefill.lengths}")
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError("batch_sizes must be >= 1")
         short = {b: n for b, n in self.rows_by_batch.items() if n < b}

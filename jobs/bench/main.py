@@ -14,6 +14,7 @@ from jobs.bench.baselines import greedy_references
 from jobs.bench.cells import run_cells
 from jobs.bench.config import BenchConfig, BenchError, load_bench_config, resolve_device
 from jobs.bench.models import load_bench_models
+from jobs.bench.long_prefill import probe_long_prefill
 from jobs.bench.passes import probe_passes
 from jobs.bench.peers import PeerPool
 from jobs.bench.pipeline import run_pipeline
@@ -28,8 +29,10 @@ def _log(message: str) -> None:
 
 
 def peer_context(cfg: BenchConfig, workloads: dict[str, list[Prompt]]) -> int:
-    """The context a peer's engine needs: the longest prompt, its completion and a draft, rounded up to 256."""
+    """The context a peer's engine needs: the longest prompt (the long-prompt probe's included), its completion and
+    a draft, rounded up to 256."""
     longest = max((len(p.ids) for prompts in workloads.values() for p in prompts), default=0)
+    longest = max([longest, *(cfg.prefill.lengths if cfg.prefill.enabled else [])])
     need = longest + max(cfg.max_new_tokens, cfg.warmup_tokens) + cfg.prompt_lookup_num_tokens + 16
     return -(-need // 256) * 256
 
@@ -56,6 +59,9 @@ def benchmark(cfg: BenchConfig, out: Path, command: str = "specbatch bench", qui
         references = greedy_references(models, checked, cfg.max_new_tokens, log)
         try:
             results = run_cells(cfg, models, workloads, references, floor, log, peers)
+            if cfg.prefill.enabled:
+                meta["long_prefill"] = probe_long_prefill(cfg.prefill, models.by_drafter["none"].target, workloads,
+                                                          peers, log)
         finally:
             peers.close()
     if cfg.passes.enabled:

@@ -16,6 +16,7 @@ from jobs.bench.cells import exact
 from jobs.bench.config import BenchConfig
 from jobs.bench.fmt import num, percent
 from jobs.bench.goals import PER_CELL, Goal, goal_rows
+from jobs.bench.long_prefill import long_prefill_markdown
 from jobs.bench.passes import passes_markdown
 from jobs.bench.plot import plot
 from jobs.bench.roofline import Floor
@@ -247,6 +248,8 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
                   f"{num(r.get('ratio_vs_direct'), 2)} | {r['rows_matching']}/{r['rows_checked']} |" for r in pipe]
     if meta.get("passes"):
         lines += [""] + passes_markdown(meta["passes"])
+    if meta.get("long_prefill"):
+        lines += [""] + long_prefill_markdown(meta["long_prefill"])
     goals = goal_rows(results, cfg)
     if goals:
         lines += [""] + _goal_tables(goals)
