@@ -77,16 +77,13 @@ def probe_long_prefill(cfg: PrefillBenchConfig, target: DecodingModel, workloads
                 exact[name] &= first == reference
                 if repeat:
                     seconds[name].append(times[name])
-        for name, values in seconds.items():
-            if values:
-                median = statistics.median(values)
-                rows.append({"prompt_tokens": length, "system": name, "first_token_s": median, "min_s": min(values),
-                             "max_s": max(values), "tok_s": length / median, "exact": exact[name]})
-                log(f"prefill {length} tokens {name}: {rows[-1]['tok_s']:.0f} tok/s")
-    for row in rows:
-        best_peer = max((r["tok_s"] for r in rows if r["prompt_tokens"] == row["prompt_tokens"]
-                         and r["system"] not in (OURS, TRANSFORMERS)), default=None)
-        row["ours_over_best_peer"] = (row["tok_s"] / best_peer) if row["system"] == OURS and best_peer else None
+        medians = {name: statistics.median(values) for name, values in seconds.items() if values}
+        best_peer = min((s for name, s in medians.items() if name not in (OURS, TRANSFORMERS)), default=None)
+        for name, median in medians.items():
+            rows.append({"prompt_tokens": length, "system": name, "first_token_s": median, "min_s": min(seconds[name]),
+                         "max_s": max(seconds[name]), "tok_s": length / median, "exact": exact[name],
+                         "ours_over_best_peer": best_peer / median if name == OURS and best_peer else None})
+            log(f"prefill {length} tokens {name}: {rows[-1]['tok_s']:.0f} tok/s")
     return rows
 
 

@@ -13,8 +13,8 @@ import torch
 from jobs.bench.baselines import greedy_references
 from jobs.bench.cells import run_cells
 from jobs.bench.config import BenchConfig, BenchError, load_bench_config, resolve_device
-from jobs.bench.models import load_bench_models
 from jobs.bench.long_prefill import probe_long_prefill
+from jobs.bench.models import load_bench_models
 from jobs.bench.passes import probe_passes
 from jobs.bench.peers import PeerPool
 from jobs.bench.pipeline import run_pipeline
