@@ -193,6 +193,7 @@ def test_the_trace_oracle_picks_each_steps_width_for_the_best_rate_of_the_whole_
     assert costs.draft_per_column == pytest.approx(0.1)
     assert oracle_rate(reference, costs, max_k=4) == pytest.approx(12 / 4.5)
     assert run_rate(reference, costs) == pytest.approx(13 / (1.8 + 1.2 + 1.4 + 0.9))
+    assert run_rate(reference, costs, controller_s=0.7) == pytest.approx(13 / (1.8 + 1.2 + 1.4 + 0.9 + 0.7))
     assert oracle_rate(reference[:1], costs, max_k=2) == pytest.approx(4 / 1.4)   # widths above 3 are not candidates
     assert oracle_rate([], costs, max_k=4) == 0.0
 
@@ -277,7 +278,7 @@ def test_bench_runs_end_to_end(model_dir, tmp_path, capsys, one_torch_thread):
     assert "specbatch bench --config tiny.yaml" in text and "report half" in text and "% floor" in text
     assert "| prefill tok/s | transformers prefill tok/s |" in text
     assert "Goals (issues 12 and 13)" in text and "| rewriting | 1 | specbatch k=0 |" in text
-    assert "| controller ms/step |" in text and "| adaptive ÷ best fixed | adaptive ÷ oracle |" in text
+    assert "| controller ms/step |" in text and "| adaptive ÷ best fixed | modelled | adaptive ÷ oracle |" in text
     assert text in capsys.readouterr().out   # the table is printed too
 
 

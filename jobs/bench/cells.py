@@ -153,7 +153,9 @@ def oracle_fields(systems: list[System], runs: dict[str, list[Run]], cfg: BenchC
     for a drafter's systems the trace oracle's on that drafter's widest fixed k (jobs/bench/oracle.py)."""
     ours = [s for s in systems if s.family == SPECBATCH and runs[s.name]]
     costs = fit_costs([r.steps for s in ours for r in runs[s.name]])
-    out = {s.name: {"modelled_tokens_per_s": run_rate(median_run(runs[s.name]).steps, costs)} for s in ours}
+    medians = {s.name: median_run(runs[s.name]) for s in ours}
+    out = {name: {"modelled_tokens_per_s": run_rate(run.steps, costs, run.controller_s or 0.0)}
+           for name, run in medians.items()}
     widest = max(cfg.ks, default=0)
     for drafter in cfg.drafters:
         reference = runs.get(fixed_name(drafter, widest)) if widest else None

@@ -5,7 +5,8 @@ drafted and accepted positions, the pass width and the measured draft and verify
 cell's traces fit one cost model: verify seconds by (rows, width) (workers/engine/costs.py's CostModel,
 every pass of a cell averaged) and draft seconds per drafted column. A run's modelled rate is its
 steps' tokens (accepted drafts + 1 per row) over their modelled seconds: every run in one currency,
-without the noise of single passes.
+without the noise of single passes, and without the machine's speed drifting between runs. The run's own
+controller seconds (measured) are added: they are what adaptive k pays that fixed k does not.
 
 The oracle is computed on one reference trace: the widest fixed k's run, whose rows were offered the
 most, so the fewest acceptance lengths are cut short by an offer. With hindsight of each row's
@@ -53,10 +54,11 @@ def fit_costs(traces: list[Trace]) -> StepCosts:
     return StepCosts(verify, draft_s / columns if columns else 0.0)
 
 
-def run_rate(trace: Trace, costs: StepCosts) -> float:
-    """Modelled tokens per second of a run's steps as they ran."""
+def run_rate(trace: Trace, costs: StepCosts, controller_s: float = 0.0) -> float:
+    """Modelled tokens per second of a run's steps as they ran, plus the seconds its controller took (its own
+    overhead, which the passes' cost model does not hold)."""
     tokens = sum(int(s.accepted.sum()) + len(s.accepted) for s in trace)
-    seconds = sum(float(costs.seconds(len(s.accepted), np.array(s.width))) for s in trace)
+    seconds = sum(float(costs.seconds(len(s.accepted), np.array(s.width))) for s in trace) + controller_s
     return tokens / seconds if seconds else 0.0
 
 

@@ -136,20 +136,23 @@ def _controller_lines(gen: list[dict], cfg: BenchConfig) -> list[str]:
             best = max(fixed, key=lambda r: r["tokens_per_s"])
             value, low, high = ratio_range(rates(adaptive), rates(best))
             unsure = "?" if adaptive["repeats"] > 1 and low < 1.0 < high else ""
-            oracle = adaptive.get("oracle_tokens_per_s")
+            oracle, modelled = adaptive.get("oracle_tokens_per_s"), adaptive.get("modelled_tokens_per_s")
             over = [num(r.get("modelled_tokens_per_s") / oracle, 2) if oracle else "–" for r in (adaptive, best)]
-            rows.append(f"| {w} | {b} | {drafter} | k={best['k']} | {num(value, 2)}{unsure} | {over[0]} | {over[1]} | "
-                        f"{num(adaptive.get('controller_ms_per_step'), 3)} |")
+            best_modelled = max((r.get("modelled_tokens_per_s") or 0.0 for r in fixed), default=0.0)
+            steady = num(modelled / best_modelled, 2) if modelled and best_modelled else "–"
+            rows.append(f"| {w} | {b} | {drafter} | k={best['k']} | {num(value, 2)}{unsure} | {steady} | {over[0]} | "
+                        f"{over[1]} | {num(adaptive.get('controller_ms_per_step'), 3)} |")
     if not rows:
         return []
     return [("Controller (issue 23): adaptive over the best fixed k of its drafter (k=0 included), measured tok/s "
-             "(`?`: the range over the repeats holds 1.0); and each over the trace oracle: a run's own steps in tokens "
-             "per second of the cost model fitted on the cell's traces (verify seconds by rows × width, draft seconds "
-             "per column), over the best width per step in hindsight on the widest fixed k's steps "
-             "(jobs/bench/oracle.py)."), "",
-            ("| workload | batch | drafter | best fixed | adaptive ÷ best fixed | adaptive ÷ oracle | best fixed ÷ oracle "
-             "| adaptive controller ms/step |"),
-            "|---|---:|---|---|---:|---:|---:|---:|"] + rows
+             "(`?`: the range over the repeats holds 1.0); modelled: the same in tokens per second of the cost model "
+             "fitted on the cell's traces (every run's passes priced alike: verify seconds by rows × width, draft "
+             "seconds per column; plus each run's own controller seconds), which the machine's speed drifting "
+             "between runs does not move; and each over the trace oracle: the best width per step in hindsight on "
+             "the widest fixed k's steps, in the same model (jobs/bench/oracle.py)."), "",
+            ("| workload | batch | drafter | best fixed | adaptive ÷ best fixed | modelled | adaptive ÷ oracle | "
+             "best fixed ÷ oracle | adaptive controller ms/step |"),
+            "|---|---:|---|---|---:|---:|---:|---:|---:|"] + rows
 
 
 _MARK = {"met": "✓", "not met": "✗", "inconclusive": "?", None: ""}
