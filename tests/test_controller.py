@@ -701,7 +701,8 @@ def test_a_compute_bound_batch_holds_k0_and_plans_every_few_steps_but_still_find
 
     def run(max_hold: int) -> tuple[int, int]:
         """(plans in the open-text phase, the step at which drafting starts)"""
-        controller = AdaptiveK(MAX_K, 16, costs=SyntheticCosts(verify, draft), prior=COPY_PRIOR, max_hold=max_hold)
+        controller = AdaptiveK(MAX_K, 16, costs=SyntheticCosts(verify, draft), prior=COPY_PRIOR, max_hold=max_hold,
+                               steady_every=1 if max_hold == 0 else 3)
         trace, plans, model = Trace([], []), [], controller.model
         controller.model = lambda n: plans.append(len(trace.chosen)) or model(n)
         simulate(controller, lambda t: chat if t < 200 else copy, 16, 240, verify, draft, np.random.default_rng(0),
@@ -714,21 +715,42 @@ def test_a_compute_bound_batch_holds_k0_and_plans_every_few_steps_but_still_find
 
 
 
-def test_where_columns_are_cheap_the_controller_plans_every_step():
+def test_where_columns_are_cheap_the_controller_plans_every_few_steps_and_never_holds_long():
     """A memory-bound pass (a further column costs 5 % of a plain one): a row whose drafts are never accepted
-    still gets a plan every step, since its acceptance can grow many-fold in one and drafting is nearly free
-    (treated as compute-bound, the same controller holds k = 0 for some steps)."""
+    gets a plan at least every `steady_every` steps (every step with steady_every=1), since its acceptance can
+    grow many-fold in a step and drafting is nearly free; treated as compute-bound, the same controller holds
+    k = 0 for up to 16 steps at a time."""
     verify, draft = linear(1.0, 0.05), (lambda n, k: 0.0001 * k)
 
-    def plans(hold_share: float) -> int:
-        controller = AdaptiveK(MAX_K, 1, costs=SyntheticCosts(verify, draft), prior=COPY_PRIOR, hold_share=hold_share)
+    def plans(hold_share: float, steady_every: int) -> int:
+        controller = AdaptiveK(MAX_K, 1, costs=SyntheticCosts(verify, draft), prior=COPY_PRIOR, hold_share=hold_share,
+                               steady_every=steady_every)
         counted, model = [], controller.model
         controller.model = lambda n: counted.append(n) or model(n)
         never = (np.full((1, MAX_K), 0.5), np.zeros((1, MAX_K)))
-        simulate(controller, lambda t: never, 1, 100, verify, draft, np.random.default_rng(2), shadow=True)
+        simulate(controller, lambda t: never, 1, 99, verify, draft, np.random.default_rng(2), shadow=True)
         return len(counted)
 
-    assert plans(0.2) == 100 and plans(0.0) < 90
+    assert plans(0.2, 1) == 99 and 33 <= plans(0.2, 3) <= 40 and plans(0.0, 1) < 90
+
+
+def test_a_steady_batch_plans_every_few_steps_and_still_follows_a_copy_span_as_fast():
+    """Batch 1, columns cheap: while plans keep the held offers the controller plans every third step, and a
+    row that starts to copy at step 150 drafts within two steps of a controller that plans every step."""
+    verify, draft = linear(1.0, 0.02), (lambda n, k: 0.001 * k)
+    trace_at = phases(1, {0: (150, 300)})
+
+    def run(steady_every: int) -> tuple[int, int]:
+        """(plans before the copy span, the first step from 150 on whose offer reaches 4 positions)"""
+        controller = AdaptiveK(MAX_K, 1, costs=SyntheticCosts(verify, draft), steady_every=steady_every)
+        trace, plans, model = Trace([], []), [], controller.model
+        controller.model = lambda n: plans.append(len(trace.chosen)) or model(n)
+        simulate(controller, trace_at, 1, 200, verify, draft, np.random.default_rng(4), shadow=True, trace=trace)
+        return sum(t < 150 for t in plans), next(t for t in range(150, 200) if trace.chosen[t][0] >= 4)
+
+    (every_plans, every_start), (steady_plans, steady_start) = run(1), run(3)
+    assert every_plans == 150 and steady_plans < 150 / 2
+    assert every_start <= steady_start <= every_start + 2
 
 
 def cold_start_rate(prior, alpha_row: np.ndarray, steps: int, seeds: int = 40) -> float:
@@ -787,7 +809,7 @@ def test_adaptive_k_calibrates_confidence_and_stops_at_its_predicted_rate():
     is accepted drafts per unit of confidence the drafter claimed."""
     verify, draft = linear(1.0, 0.02), (lambda n, k: 0.05 * k)
     n, rng = 4, np.random.default_rng(3)
-    controller = AdaptiveK(MAX_K, n, costs=SyntheticCosts(verify, draft))
+    controller = AdaptiveK(MAX_K, n, costs=SyntheticCosts(verify, draft), steady_every=1)   # the last choose plans
     for _ in range(400):
         offers = controller.choose(n)
         confidence = np.full((n, MAX_K), 0.8)
