@@ -137,3 +137,18 @@ def test_structured_workload_reads_through_the_pipeline():
     for row, record in zip(rows, source):
         assert record["product"] in row.prompt and '"pros"' in row.prompt
         assert row.keep == {"category": record["category"]}
+
+
+def test_plan_mix_job_is_ten_report_prompts_of_each_category_read_as_chat_messages():
+    """configs/plan-mix.yaml (the README's `specbatch plan` check) holds the first ten report-half prompts of every
+    category, as the suite has them, and every row reads through the pipeline as chat messages."""
+    config = load_config(str(REPO / "configs" / "plan-mix.yaml"))
+    rows = [row for spec in plan_shards(config).shards for row in read_shard(spec, config.input, config.output.keep_columns)]
+    assert len(rows) == 100 and not [r.error for r in rows if r.error]
+    suite = load_suite("report")
+    by_id = {p.id: p for prompts in suite.values() for p in prompts}
+    assert {r.id for r in rows} == {p.id for prompts in suite.values() for p in prompts[:10]}
+    for row in rows:
+        source = by_id[row.id]
+        assert row.keep == {"category": source.category}
+        assert row.messages == (source.messages or [{"role": "user", "content": source.prompt}])
