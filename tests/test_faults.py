@@ -37,19 +37,26 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 def _slow_job(model_dir: str, tmp_path, write_input, write_yaml) -> tuple[list[str], object]:
-    """A CLI command for a 16-row job slow enough to interrupt, and its output folder: at 48 new tokens a row the
-    6 shards left after the first 2 commits once finished before the signal landed (a run that exited 0)."""
+    """A CLI command for a 16-row job slow enough to interrupt, and its output folder."""
     path = write_input(str(tmp_path / "in.jsonl"), prompts(16))
     out = tmp_path / "out"
     config = write_yaml({
         "name": "resume", "input": {"path": path}, "output": {"path": str(out)}, "model": {"target": model_dir},
-        "generation": {"max_new_tokens": 160}, "speculation": {"k": 0},
+        "generation": {"max_new_tokens": 48}, "speculation": {"k": 0},
         "resources": {"cpus_per_worker": 0.5, "batch_size": 1}, "sharding": {"rows_per_shard": 2}})
     return [sys.executable, "-m", "jobs.cli", "run", config, "--quiet", "--json"], out
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C's default action, as in a terminal. A suite started in the background
+    (`make test &`, nohup) ignores SIGINT, the child would inherit that, and Python then installs no
+    KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_and_wait_for_commits(command: list[str], out, commits: int = 2) -> subprocess.Popen:
-    proc = subprocess.Popen(command, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(command, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=_default_sigint)
     deadline = time.time() + 120
     while time.time() < deadline and len(list((out / "stats" / "parts").glob("*.json"))) < commits:
         assert proc.poll() is None, "the run ended before it could be interrupted"
