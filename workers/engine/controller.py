@@ -139,13 +139,13 @@ class AdaptiveK(Controller):
         weight = None if remaining is None else drain_weights(gain, remaining)
         held_rate = float(pass_rates(self.held[:n_rows], gain, reach, base, column, weight))
         bound, needed = headroom(gain, reach, base, column, held_rate * (1 + self.margin), weight)
-        kept = True
+        changed = False   # offers beating the held ones' rate by the margin differ from them
         if bound > 0:
             offers, rate = best_offers(gain, reach, base, column, weight)
-            if rate > held_rate * (1 + self.margin):
-                kept = np.array_equal(self.held[:n_rows], offers)
+            changed = rate > held_rate * (1 + self.margin)
+            if changed:
                 self.held[:n_rows], held_rate = offers, rate
-        self.steady = self.steady + 1 if kept else 0
+        self.steady = 0 if changed else self.steady + 1
         self.coast = self.steady_every - 1 if self.steady >= self.steady_every else 0
         chosen = self.held[:n_rows].copy()
         self.probe_after = max(self.explore_every, column[0] / base / self.probe_share)
