@@ -86,12 +86,11 @@ def remembered_timings(model: DecodingModel | PreTrainedModel, remembered: Path)
 
 
 def _choice_key(model: DecodingModel | PreTrainedModel) -> str:
-    """What decides which kernel wins: the CPU, torch's build and threads, the GEMV on offer, and the model's
-    shape and dtype."""
-    cpu = next((line.split(":", 1)[1].strip() for line in native.cpuinfo() if line.startswith("model name")), "unknown cpu")
+    """What decides which kernel wins: the CPU and its features, torch's build and threads, the GEMV on offer (the
+    C kernels' build: a change to their source measures again), and the model's shape and dtype."""
     c = model.config
-    gemv = "tiled" if native.available() else "mkl"
-    return (f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|{gemv} gemv|{c.num_hidden_layers}x"
+    gemv = f"tiled {native.build_id()}" if native.available() else "mkl"
+    return (f"{native.cpu_id()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{gemv} gemv|{c.num_hidden_layers}x"
             f"{c.hidden_size}x{c.intermediate_size}x{c.vocab_size}|{model.dtype}")
 
 

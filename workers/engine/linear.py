@@ -23,9 +23,11 @@ PACK_ROWS = 64  # the row count oneDNN lays the weight out for; measured as good
 
 
 def packs(weight: torch.Tensor) -> bool:
-    """Whether `weight` gets the oneDNN packed layout (CPU, fp32 or bf16, oneDNN built in)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """Whether `weight` gets the oneDNN packed layout (CPU, oneDNN built in, fp32, or bf16 where oneDNN has bf16
+    kernels for this CPU: AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2 CPU keeps bf16 weights plain)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _plain(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:

@@ -57,8 +57,14 @@ def _compile(compiler: str, out: Path) -> None:
     tmp.replace(out)  # whole or absent: workers on one node may race, the last rename wins with the same file
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
+def cpu_id() -> str:
+    """This CPU's name and a digest of its features: KVM guests of different generations can share a name."""
+    return f"{next((line.split(':', 1)[1].strip() for line in cpuinfo() if line.startswith('model name')), 'unknown cpu')} " \
+           f"{hashlib.sha256(_cpu_signature().encode()).hexdigest()[:8]}"
+
+
+def build_id() -> str | None:
+    """The kernels' identity: their sources, this CPU's features and the compiler (None: no compiler or disabled)."""
     if os.environ.get("SPECBATCH_NATIVE", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -66,7 +72,16 @@ def _library() -> ctypes.CDLL | None:
         log.warning("no C compiler (cc) found: decoding uses torch's kernels, about 1.9x slower at one row on a CPU")
         return None
     key = hashlib.sha256(b"".join(map(Path.read_bytes, SOURCES)) + _cpu_signature().encode() + compiler.encode())
-    path = cache_root() / "native" / f"kernels-{key.hexdigest()[:16]}.so"
+    return key.hexdigest()[:16]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    key = build_id()
+    if key is None:
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    path = cache_root() / "native" / f"kernels-{key}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

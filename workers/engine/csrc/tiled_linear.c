@@ -4,41 +4,67 @@
  * order whatever the row count, so a row's result does not depend on the rows beside it. f is the identity,
  * an RMS norm (norm != NULL) or a SiLU gate (gated: x holds [gate | up], f = silu(gate) * up): done here, on
  * a few rows, they cost nothing next to the weights, where torch's own ops cost ~30 us each per layer.
- * Plain C with GCC vector extensions: AVX-512, AVX2 or NEON, whichever -march=native finds. */
+ * Plain C with GCC vector extensions: AVX-512, AVX2 or NEON, whichever -march=native finds, in vectors of the
+ * CPU's own width (a 16-float vector on AVX2 is two registers, and a block of 12 rows spilled to the stack: 2-6x
+ * slower there). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define TILE 16
-#define BLOCK_ROWS 12
-typedef float v16 __attribute__((vector_size(TILE * sizeof(float))));
+/* Accumulators live in registers only if they fit the register file: rows x STEP x TILE / WIDTH vectors of
+ * WIDTH floats, plus the weights of a step. STEP > 1 sums alternate inputs into separate accumulators (two
+ * chains of FMAs a row), worth it where 32 wide registers leave room for them. */
+#if defined(__AVX512F__)
+#define WIDTH 16
+#define STEP 2
+#define BLOCK_ROWS 12  /* 32 registers: 12 rows x 2 inputs x 1 vector, 2 weight vectors */
+#elif defined(__AVX__)
+#define WIDTH 8
+#define STEP 1
+#define BLOCK_ROWS 6   /* 16 registers: 6 rows x 2 vectors, 2 weight vectors */
+#elif defined(__ARM_NEON)
+#define WIDTH 4
+#define STEP 1
+#define BLOCK_ROWS 6   /* 32 registers: 6 rows x 4 vectors, 4 weight vectors */
+#else
+#define WIDTH 4
+#define STEP 1
+#define BLOCK_ROWS 3   /* SSE's 16 registers: 3 rows x 4 vectors, 4 weight vectors */
+#endif
+#define PARTS (TILE / WIDTH)
+typedef float vec __attribute__((vector_size(WIDTH * sizeof(float))));
 
-static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
 
 static inline __attribute__((always_inline)) void rows_block(int rows, const float *x, long in, const float *w,
                                                              const float *next, float *acc) {
-    v16 even[BLOCK_ROWS], odd[BLOCK_ROWS];
-    for (int r = 0; r < rows; ++r) even[r] = odd[r] = (v16){0};
+    vec sum[STEP][BLOCK_ROWS][PARTS];
+    for (int s = 0; s < STEP; ++s)
+        for (int r = 0; r < rows; ++r)
+            for (int p = 0; p < PARTS; ++p) sum[s][r][p] = (vec){0};
     long i = 0;
-    for (; i + 1 < in; i += 2) {
-        v16 w0 = load(w + i * TILE), w1 = load(w + (i + 1) * TILE);
-        if (next) {  /* the next tile, into L2, while this one computes */
-            __builtin_prefetch(next + i * TILE, 0, 1);
-            __builtin_prefetch(next + (i + 1) * TILE, 0, 1);
+    for (; i + STEP <= in; i += STEP) {
+        vec wv[STEP][PARTS];
+        for (int s = 0; s < STEP; ++s) {
+            for (int p = 0; p < PARTS; ++p) wv[s][p] = load(w + (i + s) * TILE + p * WIDTH);
+            if (next) __builtin_prefetch(next + (i + s) * TILE, 0, 1);  /* the next tile, into L2, while this one computes */
         }
-        for (int r = 0; r < rows; ++r) {
-            even[r] += w0 * x[r * in + i];
-            odd[r] += w1 * x[r * in + i + 1];
+        for (int r = 0; r < rows; ++r)
+            for (int s = 0; s < STEP; ++s) {
+                float xi = x[r * in + i + s];
+                for (int p = 0; p < PARTS; ++p) sum[s][r][p] += wv[s][p] * xi;
+            }
+    }
+    for (; i < in; ++i)
+        for (int r = 0; r < rows; ++r)
+            for (int p = 0; p < PARTS; ++p) sum[0][r][p] += load(w + i * TILE + p * WIDTH) * x[r * in + i];
+    for (int r = 0; r < rows; ++r)
+        for (int p = 0; p < PARTS; ++p) {
+            vec total = sum[0][r][p];
+            for (int s = 1; s < STEP; ++s) total += sum[s][r][p];
+            memcpy(acc + r * TILE + p * WIDTH, &total, sizeof total);
         }
-    }
-    if (i < in) {
-        v16 w0 = load(w + i * TILE);
-        for (int r = 0; r < rows; ++r) even[r] += w0 * x[r * in + i];
-    }
-    for (int r = 0; r < rows; ++r) {
-        v16 sum = even[r] + odd[r];
-        memcpy(acc + r * TILE, &sum, sizeof sum);
-    }
 }
 
 /* transformers' RMSNorm: norm * (x * rsqrt(mean(x^2) + eps)) */
@@ -80,18 +106,10 @@ void tiled_linear(const float *x, long n, long in, const float *tiled, long out,
              * at 4-16 rows; below 4 rows the loads alone keep memory busy, and the prefetches only cost. */
             const float *next = r0 + rows == n && rows >= 4 && b + 1 < blocks ? w + in * TILE : 0;
             switch (rows) {  /* constant row counts, so each case keeps its accumulators in registers */
-                case 1: rows_block(1, xr, in, w, next, acc); break;
-                case 2: rows_block(2, xr, in, w, next, acc); break;
-                case 3: rows_block(3, xr, in, w, next, acc); break;
-                case 4: rows_block(4, xr, in, w, next, acc); break;
-                case 5: rows_block(5, xr, in, w, next, acc); break;
-                case 6: rows_block(6, xr, in, w, next, acc); break;
-                case 7: rows_block(7, xr, in, w, next, acc); break;
-                case 8: rows_block(8, xr, in, w, next, acc); break;
-                case 9: rows_block(9, xr, in, w, next, acc); break;
-                case 10: rows_block(10, xr, in, w, next, acc); break;
-                case 11: rows_block(11, xr, in, w, next, acc); break;
-                default: rows_block(12, xr, in, w, next, acc); break;
+#define ROWS(n) case n: rows_block(n < BLOCK_ROWS ? n : BLOCK_ROWS, xr, in, w, next, acc); break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11)
+                default: rows_block(BLOCK_ROWS, xr, in, w, next, acc); break;
+#undef ROWS
             }
             for (int r = 0; r < rows; ++r) {
                 float *yr = y + (r0 + r) * out + b * TILE;
