@@ -7,21 +7,26 @@
  *   keys, values  this layer's (slots, kv_heads, capacity, d) buffers; the rows are slots first .. first + n - 1
  *   out        (n, q, heads, d), as the output projection reads it
  * One task per (new token, KV head): the query heads that share a KV head read each cached key and value once
- * between them. Dot products sum their lanes as a tree, exp runs 16 scores at a time and values accumulate in
+ * between them. Dot products sum their lanes as a tree, exp runs a vector of scores at a time and values accumulate in
  * vectors; a query's arithmetic is the same whatever tokens, rows or heads run beside it. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* Vectors of the CPU's own width: a 16-float vector on AVX2 is two registers, and the compiler kept such
+ * vectors on the stack (attention ran 5-8x slower there). */
+#if defined(__AVX512F__)
 #define LANES 16
-typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-typedef float v2 __attribute__((vector_size(2 * sizeof(float))));
-typedef int i16 __attribute__((vector_size(LANES * sizeof(int))));
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int ivec __attribute__((vector_size(LANES * sizeof(int))));
 
-static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin */
 static void rotate(const float *x, const float *cos, const float *sin, long d, float *dst) {
@@ -32,16 +37,17 @@ static void rotate(const float *x, const float *cos, const float *sin, long d, f
     }
 }
 
-/* The 16 lanes summed pairwise in registers (8 + 8, 4 + 4, 2 + 2, 1 + 1): four dependent adds, not sixteen. */
-static inline float sum_lanes(v16 v) {
-    v8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-    v2 s2 = __builtin_shufflevector(s4, s4, 0, 1) + __builtin_shufflevector(s4, s4, 2, 3);
-    return s2[0] + s2[1];
+/* The lanes summed pairwise (halves added until one is left): log2(LANES) dependent adds, not LANES. */
+static inline float sum_lanes(vec v) {
+    float lanes[LANES];
+    store(lanes, v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+    return lanes[0];
 }
 
 static inline float dot(const float *a, const float *b, long d) {
-    v16 acc = {0};
+    vec acc = {0};
     long i = 0;
     for (; i + LANES <= d; i += LANES) acc += load(a + i) * load(b + i);
     float sum = sum_lanes(acc);
@@ -49,17 +55,17 @@ static inline float dot(const float *a, const float *b, long d) {
     return sum;
 }
 
-/* exp(x) of 16 scores minus their maximum (x <= 0): x = n ln2 + y with |y| <= ln2 / 2 (Cody-Waite's two-part
+/* exp(x) of LANES scores minus their maximum (x <= 0): x = n ln2 + y with |y| <= ln2 / 2 (Cody-Waite's two-part
  * ln2), e^y by its Taylor series to y^7 (truncation below 2e-9, relative), times 2^n set in the exponent bits.
  * Below -87 (where 2^n would leave the normal range) it is 0: next to the maximum's 1 such terms vanish. */
-static inline v16 exp_scores(v16 x) {
-    const v16 zero = {0};
-    i16 kept = x >= zero - 87.0f;
-    x = (v16)((i16)x & kept);                                          /* dropped lanes compute exp(0) */
-    i16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16);  /* round(x / ln2), x <= 0 */
-    v16 nf = __builtin_convertvector(n, v16);
-    v16 y = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;
-    v16 p = zero + 1.0f / 5040;
+static inline vec exp_scores(vec x) {
+    const vec zero = {0};
+    ivec kept = x >= zero - 87.0f;
+    x = (vec)((ivec)x & kept);                                          /* dropped lanes compute exp(0) */
+    ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec);  /* round(x / ln2), x <= 0 */
+    vec nf = __builtin_convertvector(n, vec);
+    vec y = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;
+    vec p = zero + 1.0f / 5040;
     p = p * y + 1.0f / 720;
     p = p * y + 1.0f / 120;
     p = p * y + 1.0f / 24;
@@ -67,8 +73,8 @@ static inline v16 exp_scores(v16 x) {
     p = p * y + 0.5f;
     p = p * y + 1.0f;
     p = p * y + 1.0f;
-    v16 scale = (v16)((n + 127) << 23);
-    return (v16)((i16)(p * scale) & kept);
+    vec scale = (vec)((n + 127) << 23);
+    return (vec)((ivec)(p * scale) & kept);
 }
 
 /* Softmax-weighted sum of one KV head's values for `group` query heads; queries (group, d) already rotated. */
@@ -85,7 +91,7 @@ static void attend(const float *queries, long group, long d, const float *k, con
         if (j < visible) {
             float tail[LANES] = {0};
             memcpy(tail, s + j, (visible - j) * sizeof(float));
-            v16 e = exp_scores(load(tail) - top);
+            vec e = exp_scores(load(tail) - top);
             memcpy(s + j, &e, (visible - j) * sizeof(float));
         }
     }
@@ -95,7 +101,7 @@ static void attend(const float *queries, long group, long d, const float *k, con
         for (long j = 0; j < visible; ++j) total += s[j];
         long i = 0;
         for (; i + 4 * LANES <= d; i += 4 * LANES) {  /* four independent sums per key, kept in registers */
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (long j = 0; j < visible; ++j) {
                 const float *vj = v + j * d + i;
                 a0 += load(vj) * s[j];
