@@ -130,3 +130,25 @@ def test_a_querys_attention_does_not_depend_on_the_rows_or_tokens_beside_it():
         alone = native.decode_attention(qkv[one, :1], cos[one, :1], sin[one, :1], positions[one, :1], keys.clone(),
                                         values.clone(), row, heads, kv_heads)
         assert torch.equal(alone[0, 0], together[row, 0])
+
+
+@pytest.mark.parametrize("line, isa", [("flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw", "AVX-512"),
+                                       ("flags\t\t: fpu sse2 avx avx2 fma", "AVX2"),
+                                       ("Features\t: fp asimd evtstrm aes", "NEON"),
+                                       ("flags\t\t: fpu sse sse2", "SSE2")])
+def test_the_vector_isa_is_read_from_the_cpu_flags(monkeypatch, line, isa):
+    """The widest ISA names the kernels' vector width: bench reports say which the numbers were measured with."""
+    monkeypatch.setattr(native, "cpuinfo", lambda: ["model name\t: Some CPU", line])
+    assert native.vector_isa() == isa
+    assert native.cpu_name() == "Some CPU"
+
+
+def test_the_kernel_build_id_follows_the_cpu_features(monkeypatch):
+    """Remembered kernel choices and compiled kernels are keyed by the CPU's features, not only its name: KVM guests
+    of different generations share a name like 'AMD EPYC'."""
+    if native.build_id() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(native, "cpuinfo", lambda: ["model name\t: AMD EPYC", "flags\t\t: avx2 fma"])
+    avx2 = native.build_id(), native.cpu_id()
+    monkeypatch.setattr(native, "cpuinfo", lambda: ["model name\t: AMD EPYC", "flags\t\t: avx2 fma avx512f"])
+    assert native.build_id() != avx2[0] and native.cpu_id() != avx2[1]

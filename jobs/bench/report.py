@@ -23,6 +23,7 @@ from jobs.bench.roofline import Floor
 from jobs.bench.spread import rates, ratio_range
 from jobs.bench.systems import PEER, SPECBATCH, adaptive_name, fixed_name
 from jobs.bench.workloads import MIX
+from workers.engine import native
 
 _F, _I, _S = pa.float64(), pa.int64(), pa.string()
 SCHEMA = pa.schema([
@@ -49,6 +50,7 @@ def machine_info(cfg: BenchConfig, device: torch.device, command: str, quick: bo
     return {
         "command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "cpu": f"{native.cpu_name()}, {native.vector_isa()}",
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": cfg.model.target, "draft": cfg.model.draft, "dtype": cfg.model.dtype, "split": cfg.split,
@@ -197,7 +199,7 @@ def markdown(results: list[dict], meta: dict, cfg: BenchConfig, took_s: float) -
         "",
         (f"`{meta['command']}` on {meta['date']}; took {took_s:.0f} s; 1-minute load average "
          f"{num(meta['load_at_start'], 2)} at the start, {num(meta.get('load_at_end'), 2)} at the end."),
-        (f"Machine: {meta['platform']} ({meta['machine']}), {meta['cpu_count']} CPUs, device {meta['device']}, "
+        (f"Machine: {meta['platform']} ({meta['machine']}; {meta.get('cpu', 'CPU not recorded')}), {meta['cpu_count']} CPUs, device {meta['device']}, "
          f"torch {meta['torch']} ({meta['threads']} threads for every system), transformers {meta['transformers']}."),
         f"Prompts: {half} ({meta['suite']}).",
         f"Model {meta['model']} ({meta['dtype']})" + (f", draft {meta['draft']}" if meta["draft"] else "")

@@ -57,10 +57,20 @@ def _compile(compiler: str, out: Path) -> None:
     tmp.replace(out)  # whole or absent: workers on one node may race, the last rename wins with the same file
 
 
+def vector_isa() -> str:
+    """The widest vector instructions this CPU has, which set the kernels' vector width (csrc/)."""
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo() if line.startswith(("flags", "Features"))), []))
+    return next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"), ("sse2", "SSE2"))
+                 if flag in flags), "no vector ISA found")
+
+
+def cpu_name() -> str:
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo() if line.startswith("model name")), "unknown cpu")
+
+
 def cpu_id() -> str:
     """This CPU's name and a digest of its features: KVM guests of different generations can share a name."""
-    return f"{next((line.split(':', 1)[1].strip() for line in cpuinfo() if line.startswith('model name')), 'unknown cpu')} " \
-           f"{hashlib.sha256(_cpu_signature().encode()).hexdigest()[:8]}"
+    return f"{cpu_name()} {hashlib.sha256(_cpu_signature().encode()).hexdigest()[:8]}"
 
 
 def build_id() -> str | None:
