@@ -26,6 +26,6 @@ def test_the_wheel_holds_every_module_and_kernel_source(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "wheel")], check=True, capture_output=True, timeout=170)
     names = set(zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist())
-    needed = [f for f in tracked if f.split("/")[0] in ("pipeline", "workers", "jobs") and f.endswith((".py", ".c"))]
+    needed = [f for f in tracked if f.split("/")[0] in ("pipeline", "workers", "jobs") and f.endswith((".py", ".c", ".h"))]
     assert any(f.startswith("workers/engine/csrc/") for f in needed)
     assert [f for f in needed if f not in names] == []

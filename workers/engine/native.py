@@ -30,7 +30,9 @@ import torch
 
 from workers.model_paths import cache_root
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.c"))
+HEADERS = sorted(CSRC.glob("*.h"))   # part of the build's identity, not of its command line
 TILE = 16
 MAX_ROWS = 64  # up to here the C kernels win (whole SmolLM2 passes against oneDNN + SDPA: 1.3-1.5x at 24-64 rows);
 # the matmul alone ties oneDNN's packed kernel at 64 rows and loses beyond
@@ -77,23 +79,29 @@ def cpu_id() -> str:
 
 def build_id() -> str | None:
     """The kernels' identity: their sources, this CPU's features and the compiler (None: no compiler or disabled)."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    key = hashlib.sha256(b"".join(map(Path.read_bytes, SOURCES + HEADERS)) + _cpu_signature().encode() + compiler.encode())
+    return key.hexdigest()[:16]
+
+
+def _compiler() -> str | None:
+    """$CC (default cc) on the PATH, unless SPECBATCH_NATIVE=0 switches the kernels off."""
     if os.environ.get("SPECBATCH_NATIVE", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler (cc) found: decoding uses torch's kernels, about 1.9x slower at one row on a CPU")
-        return None
-    key = hashlib.sha256(b"".join(map(Path.read_bytes, SOURCES)) + _cpu_signature().encode() + compiler.encode())
-    return key.hexdigest()[:16]
+    return compiler
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    key = build_id()
-    if key is None:
+    compiler = _compiler()
+    if compiler is None:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    path = cache_root() / "native" / f"kernels-{key}.so"
+    path = cache_root() / "native" / f"kernels-{build_id()}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,22 +11,10 @@
  * vectors; a query's arithmetic is the same whatever tokens, rows or heads run beside it. */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
-/* Vectors of the CPU's own width: a 16-float vector on AVX2 is two registers, and the compiler kept such
- * vectors on the stack (attention ran 5-8x slower there). */
-#if defined(__AVX512F__)
-#define LANES 16
-#elif defined(__AVX__)
-#define LANES 8
-#else
-#define LANES 4
-#endif
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef int ivec __attribute__((vector_size(LANES * sizeof(int))));
+#include "vector.h"
 
-static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+typedef int ivec __attribute__((vector_size(WIDTH * sizeof(int))));
 
 /* transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin */
 static void rotate(const float *x, const float *cos, const float *sin, long d, float *dst) {
@@ -37,11 +25,11 @@ static void rotate(const float *x, const float *cos, const float *sin, long d, f
     }
 }
 
-/* The lanes summed pairwise (halves added until one is left): log2(LANES) dependent adds, not LANES. */
+/* The lanes summed pairwise (halves added until one is left): log2(WIDTH) dependent adds, not WIDTH. */
 static inline float sum_lanes(vec v) {
-    float lanes[LANES];
+    float lanes[WIDTH];
     store(lanes, v);
-    for (int width = LANES / 2; width > 0; width /= 2)
+    for (int width = WIDTH / 2; width > 0; width /= 2)
         for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
     return lanes[0];
 }
@@ -49,13 +37,13 @@ static inline float sum_lanes(vec v) {
 static inline float dot(const float *a, const float *b, long d) {
     vec acc = {0};
     long i = 0;
-    for (; i + LANES <= d; i += LANES) acc += load(a + i) * load(b + i);
+    for (; i + WIDTH <= d; i += WIDTH) acc += load(a + i) * load(b + i);
     float sum = sum_lanes(acc);
     for (; i < d; ++i) sum += a[i] * b[i];
     return sum;
 }
 
-/* exp(x) of LANES scores minus their maximum (x <= 0): x = n ln2 + y with |y| <= ln2 / 2 (Cody-Waite's two-part
+/* exp(x) of WIDTH scores minus their maximum (x <= 0): x = n ln2 + y with |y| <= ln2 / 2 (Cody-Waite's two-part
  * ln2), e^y by its Taylor series to y^7 (truncation below 2e-9, relative), times 2^n set in the exponent bits.
  * Below -87 (where 2^n would leave the normal range) it is 0: next to the maximum's 1 such terms vanish. */
 static inline vec exp_scores(vec x) {
@@ -87,9 +75,9 @@ static void attend(const float *queries, long group, long d, const float *k, con
             top = s[j] > top ? s[j] : top;
         }
         long j = 0;
-        for (; j + LANES <= visible; j += LANES) store(s + j, exp_scores(load(s + j) - top));
+        for (; j + WIDTH <= visible; j += WIDTH) store(s + j, exp_scores(load(s + j) - top));
         if (j < visible) {
-            float tail[LANES] = {0};
+            float tail[WIDTH] = {0};
             memcpy(tail, s + j, (visible - j) * sizeof(float));
             vec e = exp_scores(load(tail) - top);
             memcpy(s + j, &e, (visible - j) * sizeof(float));
@@ -100,19 +88,19 @@ static void attend(const float *queries, long group, long d, const float *k, con
         float *o = out + h * d, total = 0;
         for (long j = 0; j < visible; ++j) total += s[j];
         long i = 0;
-        for (; i + 4 * LANES <= d; i += 4 * LANES) {  /* four independent sums per key, kept in registers */
+        for (; i + 4 * WIDTH <= d; i += 4 * WIDTH) {  /* four independent sums per key, kept in registers */
             vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (long j = 0; j < visible; ++j) {
                 const float *vj = v + j * d + i;
                 a0 += load(vj) * s[j];
-                a1 += load(vj + LANES) * s[j];
-                a2 += load(vj + 2 * LANES) * s[j];
-                a3 += load(vj + 3 * LANES) * s[j];
+                a1 += load(vj + WIDTH) * s[j];
+                a2 += load(vj + 2 * WIDTH) * s[j];
+                a3 += load(vj + 3 * WIDTH) * s[j];
             }
             store(o + i, a0 / total);
-            store(o + i + LANES, a1 / total);
-            store(o + i + 2 * LANES, a2 / total);
-            store(o + i + 3 * LANES, a3 / total);
+            store(o + i + WIDTH, a1 / total);
+            store(o + i + 2 * WIDTH, a2 / total);
+            store(o + i + 3 * WIDTH, a3 / total);
         }
         for (; i < d; ++i) {
             float a = 0;

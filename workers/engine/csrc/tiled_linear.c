@@ -9,33 +9,24 @@
  * slower there). */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "vector.h"
 
 #define TILE 16
 /* Accumulators live in registers only if they fit the register file: rows x STEP x TILE / WIDTH vectors of
  * WIDTH floats, plus the weights of a step. STEP > 1 sums alternate inputs into separate accumulators (two
  * chains of FMAs a row), worth it where 32 wide registers leave room for them. */
 #if defined(__AVX512F__)
-#define WIDTH 16
 #define STEP 2
 #define BLOCK_ROWS 12  /* 32 registers: 12 rows x 2 inputs x 1 vector, 2 weight vectors */
-#elif defined(__AVX__)
-#define WIDTH 8
+#elif defined(__AVX__) || defined(__ARM_NEON)
 #define STEP 1
-#define BLOCK_ROWS 6   /* 16 registers: 6 rows x 2 vectors, 2 weight vectors */
-#elif defined(__ARM_NEON)
-#define WIDTH 4
-#define STEP 1
-#define BLOCK_ROWS 6   /* 32 registers: 6 rows x 4 vectors, 4 weight vectors */
+#define BLOCK_ROWS 6   /* AVX2's 16 registers: 6 rows x 2 vectors, 2 weights; NEON's 32: 6 x 4, 4 weights */
 #else
-#define WIDTH 4
 #define STEP 1
 #define BLOCK_ROWS 3   /* SSE's 16 registers: 3 rows x 4 vectors, 4 weight vectors */
 #endif
 #define PARTS (TILE / WIDTH)
-typedef float vec __attribute__((vector_size(WIDTH * sizeof(float))));
-
-static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
 
 static inline __attribute__((always_inline)) void rows_block(int rows, const float *x, long in, const float *w,
                                                              const float *next, float *acc) {
