@@ -17,9 +17,9 @@ from tqdm import tqdm
 
 from pipeline.config_file import load_config
 from pipeline.planner import plan_shards
+from workers.committed import Sequence, committed_sequences, is_heldout
 from workers.config import JobConfig
 from workers.engine.generator import Request, SpeculativeGenerator
-from workers.learning import Sequence, committed_sequences, is_heldout
 from workers.mtp_distill import (
     distill_head,
     expected_speedup,
@@ -116,7 +116,8 @@ def run_distill(args: argparse.Namespace) -> int:
     budget, progress = args.minutes * 60, not args.quiet
     m, device = config.model, pick_device()
     # The target as a worker prepares it (kernel choice included), so the speed estimate times the job's engine.
-    models: Models = load_models(config.model_copy(update={"model": m.model_copy(update={"drafter": "none"})}), device)
+    models: Models = load_models(config.model_copy(update={"model": m.model_copy(update={"drafter": "none"})}), device,
+                                 transformers_model=True)  # features come from transformers' forward
     target = models.target.model
     try:
         train_seqs, held_seqs, workload = collect(args, config, models, started, budget)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import TYPE_CHECKING, NamedTuple
 
 import ray
@@ -30,11 +31,12 @@ def quiet_worker() -> None:
     """No progress bars and no info logs from transformers or the hub in this worker process: Ray forwards every
     redraw of a bar as a new line. Set here rather than through a runtime_env, which would keep the actor out of
     the worker processes Ray has already started (about 0.6 s of start-up)."""
-    os.environ.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
-    import transformers
+    os.environ.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")  # read when it is imported
+    if "transformers" in sys.modules:  # a worker that loads only safetensors never imports it (workers/models.py)
+        import transformers
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
 
 
 class GenerationWorker:

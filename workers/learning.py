@@ -3,57 +3,27 @@
 - `learn_head`, a Ray task beside the workers: reads the job's committed completions back, distils an MTP
   head from them within the time budget, saves it under OUTPUT/drafters/ and returns its files, which the
   Ray object store then carries to every worker.
-- `committed_sequences`: a job's output read back as (prompt ids, completion ids), prompts encoded as the
-  job's workers encoded them; `specbatch distill --from` and the suffix drafters of the other workers read
-  completions the same way.
+- its training data: the job's committed completions (workers/committed.py).
 """
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import math
 import time
 from statistics import fmean
 
-import pyarrow.parquet as pq
 import torch
 
+from workers.committed import HELDOUT_FRACTION, committed_sequences, is_heldout
 from workers.config import JobConfig
+from workers.engine.decoding_model import DecodingModel
 from workers.model_paths import read_head_files
 from workers.models import load_model, load_tokenizer
-from workers.engine.decoding_model import DecodingModel
 from workers.mtp_distill import distill_head, expected_speedup, measure_costs
 from workers.mtp_head import head_parameters, save_head
-from workers.registry import encode_prompt, pick_device
-from workers.shard_io import InputRow
-from workers.storage import read_bytes, safe_url
+from workers.registry import pick_device
+from workers.storage import safe_url
 
-Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
-HELDOUT_FRACTION = 0.1
 _FINAL_SHARE = 0.15         # of the budget, kept for held-out scoring and saving
-
-
-def is_heldout(row_id: str, fraction: float) -> bool:
-    """A stable split by row id: the same prompts are held out on every run and machine."""
-    digest = hashlib.blake2b(row_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
-
-
-def committed_sequences(urls: list[str], config: JobConfig, tokenizer) -> list[tuple[str, Sequence]]:
-    """(row id, sequence) for every completed row of the given output data files."""
-    options, chat = config.output.storage_options, config.input.messages_column is not None
-    found = []
-    for url in urls:
-        table = pq.read_table(io.BytesIO(read_bytes(url, options)),
-                              columns=["id", "prompt", "completion_token_ids", "finish_reason"])
-        for record in table.to_pylist():
-            if record["finish_reason"] == "error" or not record["completion_token_ids"]:
-                continue
-            row = InputRow(record["id"], None if chat else record["prompt"], json.loads(record["prompt"]) if chat else None)
-            prompt = encode_prompt(tokenizer, row.prompt, row.messages, config.generation.chat_template)
-            found.append((record["id"], (prompt, list(record["completion_token_ids"]))))
-    return found
 
 
 def learn_head(config_json: dict, data_urls: list[str], out_url: str, cpus: float) -> dict[str, bytes]:

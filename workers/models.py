@@ -1,6 +1,7 @@
 """Model loading: local folders, object-storage folders and GGUF files, always ending in safetensors.
 
-Workers load each model once. GGUF files (like the bundled SmolLM2 demo model) are dequantized once
+Workers load each model once, and load Llama-family checkpoints without transformers (engine/checkpoint.py):
+its modeling code takes longer to import than the demo model takes to load. GGUF files (like the bundled SmolLM2 demo model) are dequantized once
 and cached as safetensors, because transformers' GGUF path takes tens of seconds per load; folders in
 object storage are copied once per node into the same cache, keyed by path, size and etag. GGUF
 conversions are keyed by the file's content, so clones and virtualenvs share them.
@@ -14,17 +15,16 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from typing import TYPE_CHECKING
 
+import torch
+
+from workers.engine.checkpoint import CheckpointLM, read_config, readable
 from workers.model_paths import DEMO_MODEL, cache_root, demo_model_gguf
 from workers.storage import filesystem, is_remote
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,6 +81,8 @@ def _convert_gguf(gguf: Path) -> Path:
     out = gguf_cache_dir(gguf)
     if (out / "_COMPLETE").exists():
         return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None  # the weights are dequantized fp32 now; saving them is lossless
@@ -151,15 +153,33 @@ def local_model_dir(path: str, storage_options: dict | None = None) -> Path:
 
 
 def load_model(path: str, dtype: str, device: torch.device, storage_options: dict | None = None,
-               trust_remote_code: bool = False) -> PreTrainedModel:
-    """Load safetensors weights only (never pickle) in eval mode on `device`."""
+               trust_remote_code: bool = False, transformers_model: bool = True) -> PreTrainedModel | CheckpointLM:
+    """Load safetensors weights only (never pickle) in eval mode on `device`. Without `transformers_model`
+    (callers that run the model through the fused decoder only), a checkpoint engine/checkpoint.py reads
+    loads as a CheckpointLM: the same weights, without transformers' modules."""
     folder = local_model_dir(path, storage_options)
-    checkpoint = getattr(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code), "dtype", None)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=resolve_dtype(dtype, device, checkpoint), use_safetensors=True, trust_remote_code=trust_remote_code)
+    raw = read_config(folder)
+    dtype = resolve_dtype(dtype, device, _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype")))
+    if not transformers_model and readable(folder, trust_remote_code):
+        return CheckpointLM.load(folder, dtype, device)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 
 
 def load_tokenizer(path: str, storage_options: dict | None = None,
                    trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(local_model_dir(path, storage_options), trust_remote_code=trust_remote_code)
+    """The tokenizer AutoTokenizer gives. A folder whose tokenizer_config.json names transformers' own
+    tokenizers-backed class (as transformers 5 saves it; our GGUF conversions do) loads that class directly:
+    AutoTokenizer would first import the model's whole configuration machinery (~2 s of a worker's start-up)."""
+    folder = local_model_dir(path, storage_options)
+    settings = folder / "tokenizer_config.json"
+    config = json.loads(settings.read_text()) if settings.is_file() else {}
+    if config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in config and not trust_remote_code:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)

@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from workers.engine.checkpoint import CheckpointLM
 from workers.model_paths import HEAD_CONFIG, HEAD_REPORT, HEAD_WEIGHTS, check_head_path, read_head_files
 from workers.storage import join, read_bytes, write_bytes_atomic
 
@@ -54,7 +55,7 @@ class HeadSpec:
     block: dict                 # LlamaConfig fields of the head's decoder block
 
     @staticmethod
-    def for_target(target: PreTrainedModel, name: str, n_layers: int = 1, draft_vocab: int = 0) -> HeadSpec:
+    def for_target(target: PreTrainedModel | CheckpointLM, name: str, n_layers: int = 1, draft_vocab: int = 0) -> HeadSpec:
         """A head shaped like one of the target's own decoder layers."""
         cfg = target.config
         block = {key: getattr(cfg, key) for key in _BLOCK_KEYS if getattr(cfg, key, None) is not None}
@@ -73,14 +74,14 @@ class SharedTensors:
     eps: float
 
     @staticmethod
-    def of(target: PreTrainedModel) -> SharedTensors:
+    def of(target: PreTrainedModel | CheckpointLM) -> SharedTensors:
         norm, head = target.get_decoder().norm, target.get_output_embeddings()
         bias = getattr(head, "bias", None)
         return SharedTensors(target.get_input_embeddings().weight.detach(), norm.weight.detach(), head.weight.detach(),
-                             None if bias is None else bias.detach(), float(norm.variance_epsilon))
+                             None if bias is None else bias.detach(), float(target.config.rms_norm_eps))
 
 
-def check_target(spec: HeadSpec, target: PreTrainedModel, where: str) -> None:
+def check_target(spec: HeadSpec, target: PreTrainedModel | CheckpointLM, where: str) -> None:
     """Fail before generation, naming both shapes, when the head cannot draft for this target."""
     hidden, vocab = target.config.hidden_size, target.get_output_embeddings().weight.shape[0]
     if (spec.hidden_size, spec.vocab_size) != (hidden, vocab):
@@ -91,7 +92,7 @@ def check_target(spec: HeadSpec, target: PreTrainedModel, where: str) -> None:
 
 
 class MTPHead(torch.nn.Module):
-    def __init__(self, spec: HeadSpec, target: PreTrainedModel):
+    def __init__(self, spec: HeadSpec, target: PreTrainedModel | CheckpointLM):
         super().__init__()
         check_target(spec, target, "(new)")
         self.spec = spec
@@ -159,12 +160,12 @@ def read_spec(url: str, storage_options: dict | None = None) -> HeadSpec:
     return HeadSpec(**json.loads(read_bytes(join(url, CONFIG), storage_options)))
 
 
-def load_head(url: str, target: PreTrainedModel, storage_options: dict | None = None) -> MTPHead:
+def load_head(url: str, target: PreTrainedModel | CheckpointLM, storage_options: dict | None = None) -> MTPHead:
     """The head at a local or object-storage folder, on the target's device and dtype, frozen and in eval mode."""
     return head_from_files(read_head_files(url, storage_options), target, url)
 
 
-def head_from_files(files: dict[str, bytes], target: PreTrainedModel, where: str) -> MTPHead:
+def head_from_files(files: dict[str, bytes], target: PreTrainedModel | CheckpointLM, where: str) -> MTPHead:
     """A head from its folder's files (read_head_files), ready to draft for the target."""
     spec = HeadSpec(**json.loads(files[CONFIG]))
     check_target(spec, target, where)

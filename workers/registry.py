@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,8 +27,11 @@ from workers.engine.ngram_drafter import NgramDrafter
 from workers.engine.sampling import SamplingParams
 from workers.engine.suffix_drafter import SuffixDrafter
 from workers.model_paths import cache_root
+from workers.engine.checkpoint import CheckpointLM
 from workers.models import load_model, load_tokenizer
-from workers.mtp_head import MTPHead, head_from_files, load_head
+
+if TYPE_CHECKING:
+    from workers.mtp_head import MTPHead
 
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,9 @@ def register_drafter(name: str, kind: DrafterKind) -> None:
 
 def _load_draft_model(config: JobConfig, models: Models, device: torch.device) -> DecodingModel:
     m, options = config.model, config.input.storage_options
-    draft = load_model(m.draft, m.dtype, device, options, m.trust_remote_code)
+    # loaded the way the target was: with transformers' modules where the caller asked for them
+    draft = load_model(m.draft, m.dtype, device, options, m.trust_remote_code,
+                       transformers_model=not isinstance(models.target.model, CheckpointLM))
     if load_tokenizer(m.draft, options, m.trust_remote_code).get_vocab() != models.tokenizer.get_vocab():
         raise ValueError(f"draft model {m.draft} does not share the target's tokenizer ({m.target})")
     return DecodingModel.prepare(draft, compile=m.compile, step=m.step)
@@ -68,6 +73,8 @@ def _load_draft_model(config: JobConfig, models: Models, device: torch.device) -
 
 def _load_mtp_head(config: JobConfig, models: Models, device: torch.device) -> MTPHead:
     """The head at model.draft, checked against the target (hidden size, vocabulary) before any generation."""
+    from workers.mtp_head import load_head  # transformers' Llama modules: only jobs that draft with a head import them
+
     return load_head(config.model.draft, models.target.model, config.input.storage_options)
 
 
@@ -84,10 +91,13 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_models(config: JobConfig, device: torch.device) -> Models:
-    """The target (prepared once for decoding) and the tokenizer, then the drafter's weights if it has any."""
+def load_models(config: JobConfig, device: torch.device, transformers_model: bool = False) -> Models:
+    """The target (prepared once for decoding) and the tokenizer, then the drafter's weights if it has any.
+    `transformers_model`: keep transformers' own modules too (the bench runs transformers' `generate` on them,
+    distill its forward); workers need only the weights."""
     m, options = config.model, config.input.storage_options
-    source, remembered = load_model(m.target, m.dtype, device, options, m.trust_remote_code), cache_root() / "kernel-choice.json"
+    source = load_model(m.target, m.dtype, device, options, m.trust_remote_code, transformers_model)
+    remembered = cache_root() / "kernel-choice.json"
     known = remembered_timings(source, remembered) if device.type == "cpu" else None
     target = DecodingModel.prepare(source, compile=m.compile, step=m.step, gemv=not (known and packed_wins(known)))
     if device.type == "cpu":
@@ -139,6 +149,8 @@ def drafter_parts(drafter: Drafter) -> list[Drafter]:
 def with_learned_head(config: JobConfig, models: Models, drafter: Drafter, files: dict[str, bytes]) -> SpeculativeGenerator:
     """A learning job's generator once its head is learnt: the copy drafters it ran with, their state kept (a
     suffix index keeps what it has read), first when they are confident, and the head for every other row."""
+    from workers.mtp_head import head_from_files
+
     models.draft = head_from_files(files, models.target.model, "the job's learnt head")
     head = make_drafter("mtp", models, config.speculation, sampling_params(config))
     copies = [d for d in drafter_parts(drafter) if d.name != "none"]

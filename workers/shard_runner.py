@@ -13,10 +13,10 @@ import time
 import pyarrow as pa
 import torch
 
+from workers.committed import committed_sequences
 from workers.config import JobConfig
 from workers.engine.generator import Completion, Request
 from workers.engine.suffix_drafter import SuffixDrafter
-from workers.learning import committed_sequences
 from workers.registry import (
     Models,
     drafter_parts,

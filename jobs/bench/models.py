@@ -34,7 +34,7 @@ def _page_in(model: torch.nn.Module | None) -> None:
 
 
 def load_bench_models(cfg: BenchConfig, device: torch.device) -> BenchModels:
-    base = load_models(job_config(cfg, "none", 0, 1), device)
+    base = load_models(job_config(cfg, "none", 0, 1), device, transformers_model=True)  # transformers is a peer
     by_drafter = {"none": base}
     for name in cfg.drafters:   # like load_models: model.draft holds one set of weights, for the first kind that reads it
         loaders = [DRAFTERS[part].load_draft for part in name.split("+") if DRAFTERS[part].load_draft is not None]

@@ -9,23 +9,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from typing import TYPE_CHECKING
 
 from workers.engine.captured_step import CapturedSteps
 from workers.engine.fused_decoder import FusedDecoder
 from workers.engine.kv_cache import SlotCache
 from workers.engine.linear import Linear, linear
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from workers.engine.checkpoint import CheckpointLM
+
 
 @dataclass
 class DecodingModel:
-    model: PreTrainedModel             # the source model: config, generation config, embeddings, fallback decoder
+    model: PreTrainedModel | CheckpointLM  # the source model: config, generation config, embeddings, fallback decoder
     fused: FusedDecoder | None         # None: run transformers' own decoder modules
     head: Linear                       # the LM head: hidden -> vocab
     step: str = "eager"                # eager | captured (static-shape steps, CUDA graphs on a GPU)
 
     @classmethod
-    def prepare(cls, model: PreTrainedModel, compile: bool = False, step: str = "auto", gemv: bool = True) -> DecodingModel:
+    def prepare(cls, model: PreTrainedModel | CheckpointLM, compile: bool = False, step: str = "auto", gemv: bool = True) -> DecodingModel:
         """`compile`: torch.compile the fused decoder's layers (no effect where the fused decoder does not apply).
         `step`: `auto` captures decode steps in CUDA graphs on a GPU and runs them eagerly elsewhere; `captured`
         forces the static-shape step (eager on a CPU: the same path, testable without a GPU); `eager` never.
@@ -73,7 +78,7 @@ class DecodingModel:
             return self.fused(tokens, positions, mask, cache)
         if mask is None:  # transformers would build a causal mask of its own from the cache length
             mask = torch.zeros(*tokens.shape[:1], 1, tokens.shape[1], cache.kv_len, dtype=self.dtype, device=self.device)
-        return self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
+        return self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache.for_transformers(),
                                         use_cache=True).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,16 +7,19 @@ transformers model is left untouched (a caller that keeps only the FusedDecoder 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import rotate_half
 
 from workers.engine import native
 from workers.engine.kv_cache import SlotCache
 from workers.engine.linear import Linear, gated_linear, linear, norm_linear, rms_norm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from workers.engine.checkpoint import CheckpointLM
 
 SUPPORTED = {"llama", "qwen2"}
 
@@ -26,6 +29,12 @@ def _fuse(linears: list[torch.nn.Linear], gemv: bool) -> Linear:
     weight = torch.cat([m.weight.detach() for m in linears], 0)
     biases = [m.bias for m in linears]
     return Linear.of(weight, torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None, gemv)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dimension's halves: RoPE's rotation, as transformers writes it."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 class _Layer(NamedTuple):
@@ -60,7 +69,7 @@ class FusedDecoder:
     (weights are arguments, so every layer shares one graph; shapes are dynamic, so rows, width and
     cache length never recompile) and the elementwise work between matmuls fuses into a few kernels."""
 
-    def __init__(self, model: PreTrainedModel, compile: bool = False, gemv: bool = True):
+    def __init__(self, model: PreTrainedModel | CheckpointLM, compile: bool = False, gemv: bool = True):
         cfg, decoder = model.config, model.get_decoder()
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.eps, self.embed, self.norm, self.rotary = cfg.rms_norm_eps, decoder.embed_tokens, decoder.norm.weight, decoder.rotary_emb
@@ -82,7 +91,7 @@ class FusedDecoder:
                 and native.available())
 
     @staticmethod
-    def supports(model: PreTrainedModel) -> bool:
+    def supports(model: PreTrainedModel | CheckpointLM) -> bool:
         """Only what this class reproduces exactly: SiLU-gated MLPs without bias, full attention."""
         cfg = model.config
         return (cfg.model_type in SUPPORTED and cfg.hidden_act == "silu" and not getattr(cfg, "mlp_bias", False)

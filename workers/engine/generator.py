@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from workers.engine.cached_lm import CachedLM
 from workers.engine.controller import Controller, StepRecord
@@ -23,6 +23,9 @@ from workers.engine.drafter import Drafter, Proposal, Row
 from workers.engine.live_batch import LiveBatch
 from workers.engine.sampling import SamplingParams, Verdict, token_logprobs, verify_greedy, verify_sampled
 from workers.engine.stats import GenerationStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass

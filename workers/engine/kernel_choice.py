@@ -17,14 +17,17 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from workers.engine import native
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.linear import Linear
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CONTEXT = 64
 

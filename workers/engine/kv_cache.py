@@ -8,17 +8,20 @@ step's padding writes (workers/engine/captured_step.py) and which no row ever re
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers.cache_utils import Cache
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 
-class SlotCache(Cache):
-    """Drop-in `transformers` cache. The caller sets `rows` (a slice of slots) and `write_positions`
-    (rows, q) before each forward, or `write_start` when every row writes at the same offset (one slice
-    copy instead of a scatter); attention sees `kv_len` positions of each row."""
+class SlotCache:
+    """The caller sets `rows` (a slice of slots) and `write_positions` (rows, q) before each forward, or
+    `write_start` when every row writes at the same offset (one slice copy instead of a scatter); attention
+    sees `kv_len` positions of each row. transformers' modules read it through `for_transformers()`."""
 
     def __init__(self, max_rows: int, capacity: int):
-        super().__init__(layers=[])
         self.max_rows, self.capacity = max_rows, capacity
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -26,13 +29,16 @@ class SlotCache(Cache):
         self.write_positions: torch.Tensor | None = None
         self.write_start: int | None = None
         self.kv_len = 0
+        self._transformers: Cache | None = None
 
     def _allocate(self, like: torch.Tensor) -> None:
         shape = (self.max_rows, like.shape[1], self.capacity + 1, like.shape[3])
         self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
         self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this pass's keys and values (rows, kv_heads, q, head_dim) of one layer; return the layer's
+        cached keys and values of the rows, `kv_len` positions each."""
         if layer_idx == len(self.keys):
             self._allocate(key_states)
         keys, values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
@@ -51,13 +57,11 @@ class SlotCache(Cache):
         for buf in (*self.keys, *self.values):
             buf[dst, :, :length] = buf[src, :, :length]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len
+    def for_transformers(self) -> Cache:
+        """This cache as a transformers `Cache`, for decoder modules the fused decoder does not replace
+        (imported on first use: a worker running only the fused decoder never imports transformers)."""
+        if self._transformers is None:
+            from workers.engine.transformers_cache import TransformersSlotCache
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.kv_len, 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
+            self._transformers = TransformersSlotCache(self)
+        return self._transformers

@@ -8,13 +8,17 @@ entries are speculative and the next catch-up overwrites them.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from workers.engine.cached_lm import SlotRows
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import Drafter, Proposal, Row
 from workers.engine.sampling import SamplingParams, draft_sample, probabilities
-from workers.mtp_head import MTPHead
+
+if TYPE_CHECKING:
+    from workers.mtp_head import MTPHead
 
 
 class CachedHead(SlotRows):
@@ -28,7 +32,7 @@ class CachedHead(SlotRows):
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Feed (n, q) entries to slots start..start+n-1; returns the head's states (n, q, d)."""
         positions, mask = self.place(*tokens.shape, start)
-        return self.head(hidden.to(self.device), tokens.to(self.device), positions, mask, self.cache)
+        return self.head(hidden.to(self.device), tokens.to(self.device), positions, mask, self.cache.for_transformers())
 
 
 def draft_rows(head: MTPHead, target: DecodingModel) -> torch.Tensor:
