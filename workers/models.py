@@ -22,6 +22,7 @@ import torch
 from workers.engine.checkpoint import CheckpointLM, read_config, readable
 from workers.model_paths import DEMO_MODEL, cache_root, demo_model_gguf
 from workers.storage import filesystem, is_remote
+from workers.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -168,12 +169,15 @@ def load_model(path: str, dtype: str, device: torch.device, storage_options: dic
     return model.to(device).eval()
 
 
-def load_tokenizer(path: str, storage_options: dict | None = None,
-                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer AutoTokenizer gives. A folder whose tokenizer_config.json names transformers' own
-    tokenizers-backed class (as transformers 5 saves it; our GGUF conversions do) loads that class directly:
+def load_tokenizer(path: str, storage_options: dict | None = None, trust_remote_code: bool = False,
+                   transformers_tokenizer: bool = True) -> PreTrainedTokenizerBase | Tokenizer:
+    """The tokenizer AutoTokenizer gives. Without `transformers_tokenizer` (workers), one transformers would
+    build unchanged from its tokenizer.json loads without transformers (workers/tokenizer.py). A folder whose
+    tokenizer_config.json names transformers' own tokenizers-backed class loads that class directly:
     AutoTokenizer would first import the model's whole configuration machinery (~2 s of a worker's start-up)."""
     folder = local_model_dir(path, storage_options)
+    if not transformers_tokenizer and not trust_remote_code and (tokenizer := Tokenizer.load(folder)) is not None:
+        return tokenizer
     settings = folder / "tokenizer_config.json"
     config = json.loads(settings.read_text()) if settings.is_file() else {}
     if config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in config and not trust_remote_code:

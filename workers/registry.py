@@ -66,7 +66,7 @@ def _load_draft_model(config: JobConfig, models: Models, device: torch.device) -
     # loaded the way the target was: with transformers' modules where the caller asked for them
     draft = load_model(m.draft, m.dtype, device, options, m.trust_remote_code,
                        transformers_model=not isinstance(models.target.model, CheckpointLM))
-    if load_tokenizer(m.draft, options, m.trust_remote_code).get_vocab() != models.tokenizer.get_vocab():
+    if load_tokenizer(m.draft, options, m.trust_remote_code, False).get_vocab() != models.tokenizer.get_vocab():
         raise ValueError(f"draft model {m.draft} does not share the target's tokenizer ({m.target})")
     return DecodingModel.prepare(draft, compile=m.compile, step=m.step)
 
@@ -93,8 +93,8 @@ def pick_device() -> torch.device:
 
 def load_models(config: JobConfig, device: torch.device, transformers_model: bool = False) -> Models:
     """The target (prepared once for decoding) and the tokenizer, then the drafter's weights if it has any.
-    `transformers_model`: keep transformers' own modules too (the bench runs transformers' `generate` on them,
-    distill its forward); workers need only the weights."""
+    `transformers_model`: transformers' own modules and tokenizer (the bench runs transformers' `generate` on
+    them, distill its forward); workers need only the weights and tokenizer.json."""
     m, options = config.model, config.input.storage_options
     source = load_model(m.target, m.dtype, device, options, m.trust_remote_code, transformers_model)
     remembered = cache_root() / "kernel-choice.json"
@@ -103,7 +103,7 @@ def load_models(config: JobConfig, device: torch.device, transformers_model: boo
     if device.type == "cpu":
         target, timings = choose_single_row_kernel(target, remembered=remembered)
         log.info("width-1 pass: %s", timings or known)
-    models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code))
+    models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code, transformers_model))
     loaders = [DRAFTERS[name].load_draft for name in m.drafters if DRAFTERS[name].load_draft is not None]
     if loaders:  # model.draft names one set of weights: at most one drafter kind reads it
         models.draft = loaders[0](config, models, device)
