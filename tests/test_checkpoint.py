@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Conf
 
 from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from workers.engine.cached_lm import CachedLM
-from workers.engine.checkpoint import CheckpointLM, readable
+from workers.engine.checkpoint import CheckpointLM, mapped, readable
 from workers.engine.decoding_model import DecodingModel
 from workers.models import load_model, load_tokenizer
 
@@ -76,6 +76,22 @@ def test_checkpoint_decodes_exactly_as_the_transformers_model(make, sharded, tmp
     with torch.no_grad():
         full = theirs(torch.tensor([prompts[0] + [30, 31]])).logits[0, -3:]
     torch.testing.assert_close(logits[0][0], full, rtol=1e-5, atol=1e-5)
+
+
+def test_mapped_tensors_are_views_of_the_file_equal_to_safetensors_own_load(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(6).view(2, 3),
+               "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False])}
+    save_file(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
+    ours, theirs = mapped(tmp_path / "t.safetensors"), load_file(tmp_path / "t.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name])
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    # one mapping, not copies: each tensor sits where the file puts it, relative to the others
+    assert ours["c"].data_ptr() - ours["a"].data_ptr() == header["c"]["data_offsets"][0] - header["a"]["data_offsets"][0]
+    ours["a"][0, 0] = 99.0  # copy-on-write: the file stays as it was
+    assert torch.equal(mapped(tmp_path / "t.safetensors")["a"], theirs["a"])
 
 
 @pytest.mark.parametrize("change", [{"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -9,11 +9,11 @@ code reads either; every other checkpoint goes through transformers (workers/mod
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -52,6 +52,31 @@ def _weight_files(folder: Path) -> list[Path]:
     if index.is_file():
         return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     return [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def mapped(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of the file, mapped copy-on-write: nothing is read until it is
+    used, the pages are the page cache's (shared by every worker on the node, and evictable), a write stays
+    private. safetensors' own loaders copy every tensor into fresh memory."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = _DTYPES[info["dtype"]]
+        count = (end - begin) // dtype.itemsize
+        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=8 + size + begin) if count else torch.empty(0, dtype=dtype)
+        tensors[name] = flat.view(info["shape"])
+    return tensors
 
 
 def _config(raw: dict, folder: Path, dtype: torch.dtype) -> SimpleNamespace:
@@ -142,7 +167,7 @@ class CheckpointLM(nn.Module):
         lm = cls(config, _generation_config(folder, config))
         weights = {}
         for path in _weight_files(folder):
-            weights.update(load_file(path, device=str(device)))
+            weights.update({name: tensor.to(device) for name, tensor in mapped(path).items()})
         if "lm_head.weight" not in weights and config.tie_word_embeddings:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         result = lm.load_state_dict({k: v.to(dtype) for k, v in weights.items() if not k.endswith(".inv_freq")},
