@@ -1,10 +1,10 @@
 """Model loading: local folders, object-storage folders and GGUF files, always ending in safetensors.
 
 Workers load each model once, and load Llama-family checkpoints without transformers (engine/checkpoint.py):
-its modeling code takes longer to import than the demo model takes to load. GGUF files (like the bundled SmolLM2 demo model) are dequantized once
-and cached as safetensors, because transformers' GGUF path takes tens of seconds per load; folders in
-object storage are copied once per node into the same cache, keyed by path, size and etag. GGUF
-conversions are keyed by the file's content, so clones and virtualenvs share them.
+its modeling code takes longer to import than the demo model takes to load. GGUF files (like the bundled
+SmolLM2 demo model) are dequantized once and cached as safetensors, because transformers' GGUF path takes
+tens of seconds per load; folders in object storage are copied once per node into the same cache, keyed by
+path, size and etag. GGUF conversions are keyed by the file's content, so clones and virtualenvs share them.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from workers.engine.checkpoint import CheckpointLM, read_config, readable
 from workers.model_paths import DEMO_MODEL, cache_root, demo_model_gguf
 from workers.storage import filesystem, is_remote
-from workers.tokenizer import Tokenizer
+from workers.tokenizer import Tokenizer, read_settings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -178,8 +178,7 @@ def load_tokenizer(path: str, storage_options: dict | None = None, trust_remote_
     folder = local_model_dir(path, storage_options)
     if not transformers_tokenizer and not trust_remote_code and (tokenizer := Tokenizer.load(folder)) is not None:
         return tokenizer
-    settings = folder / "tokenizer_config.json"
-    config = json.loads(settings.read_text()) if settings.is_file() else {}
+    config = read_settings(folder)
     if config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in config and not trust_remote_code:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

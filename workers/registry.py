@@ -66,7 +66,7 @@ def _load_draft_model(config: JobConfig, models: Models, device: torch.device) -
     # loaded the way the target was: with transformers' modules where the caller asked for them
     draft = load_model(m.draft, m.dtype, device, options, m.trust_remote_code,
                        transformers_model=not isinstance(models.target.model, CheckpointLM))
-    if load_tokenizer(m.draft, options, m.trust_remote_code, False).get_vocab() != models.tokenizer.get_vocab():
+    if load_tokenizer(m.draft, options, m.trust_remote_code, transformers_tokenizer=False).get_vocab() != models.tokenizer.get_vocab():
         raise ValueError(f"draft model {m.draft} does not share the target's tokenizer ({m.target})")
     return DecodingModel.prepare(draft, compile=m.compile, step=m.step)
 

@@ -1,8 +1,8 @@
 """The tokenizer a worker needs, read from tokenizer.json without importing transformers (~1 s of its start).
 
 It serves the calls the engine makes (text or chat messages in, ids out; ids back to text) for the
-tokenizers transformers itself builds as the very same `tokenizers` model, unchanged (`_plain`):
-tokenizer_config.json names transformers' tokenizers-backed class, every named special token is already a
+tokenizers transformers itself builds as the very same `tokenizers` model, unchanged (`_plain_settings`,
+`_plain_backend`): tokenizer_config.json names transformers' tokenizers-backed class, every named special token is already a
 token, and no option makes transformers rewrite the model (BOS/EOS flags, split special tokens, clean-up
 of spaces, the Mistral regex patch of large vocabularies). Chat templates render in the same sandboxed
 Jinja environment as transformers' (utils/chat_template_utils.py, transformers 5.24), with the same
@@ -30,7 +30,8 @@ _MISTRAL_PATCH_VOCAB = 100_000  # transformers may patch the pre-tokenizer of la
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' assistant-mask extension, not ours
 
 
-def _settings(folder: Path) -> dict:
+def read_settings(folder: Path) -> dict:
+    """tokenizer_config.json, empty where there is none."""
     path = folder / "tokenizer_config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -45,14 +46,20 @@ def _template(folder: Path, settings: dict) -> str | None:
     return path.read_text() if path.is_file() else settings.get("chat_template")
 
 
-def _plain(folder: Path, settings: dict, backend: Backend) -> bool:
-    """Whether transformers would load this tokenizer as `backend`, unchanged, and render its template as we do."""
+def _plain_settings(folder: Path, settings: dict) -> bool:
+    """What tokenizer_config.json and the folder say: no option that makes transformers rewrite the tokenizer, and
+    a template we render as it does."""
     template = _template(folder, settings)
-    if (settings.get("tokenizer_class") != "TokenizersBackend" or any(key in settings for key in _REWRITING)
-            or settings.get("split_special_tokens") or settings.get("extra_special_tokens")
-            or settings.get("additional_special_tokens") or (folder / "special_tokens_map.json").is_file()
-            or not isinstance(template, (str, type(None))) or (template and _GENERATION_TAG.search(template))):
-        return False
+    return not (settings.get("tokenizer_class") != "TokenizersBackend" or any(key in settings for key in _REWRITING)
+                or settings.get("split_special_tokens") or settings.get("extra_special_tokens")
+                or settings.get("additional_special_tokens") or (folder / "special_tokens_map.json").is_file()
+                or not (folder / "tokenizer.json").is_file()
+                or not isinstance(template, (str, type(None))) or (template and _GENERATION_TAG.search(template)))
+
+
+def _plain_backend(settings: dict, backend: Backend) -> bool:
+    """What tokenizer.json says: every named special token is a token, the vocabulary is small enough to escape
+    transformers' regex patch, and clean-up of spaces is off or ignored (BPE)."""
     specials_known = all(backend.token_to_id(_content(settings[name])) is not None
                          for name in SPECIAL if settings.get(name) is not None)
     clean_up = settings.get("clean_up_tokenization_spaces", False)
@@ -117,22 +124,22 @@ def _message(message: dict) -> dict:
 class Tokenizer:
     """tokenizer.json with the calls the engine makes, named and behaving as transformers' tokenizer's."""
 
-    def __init__(self, folder: Path, settings: dict, backend: Backend):
+    def __init__(self, folder: Path, config: dict, backend: Backend):
         self.backend = backend
         self.backend.no_truncation()
         self.backend.no_padding()
-        self.special_tokens_map = {name: _content(settings[name]) for name in SPECIAL if settings.get(name) is not None}
-        self.chat_template = _template(folder, settings)
+        self.special_tokens_map = {name: _content(config[name]) for name in SPECIAL if config.get(name) is not None}
+        self.chat_template = _template(folder, config)
         self.eos_token_id, self.pad_token_id = (self._id("eos_token"), self._id("pad_token"))
 
     @classmethod
     def load(cls, folder: Path) -> Tokenizer | None:
         """The tokenizer at `folder` where it is plain (see the module's docstring), else None."""
-        settings = _settings(folder)
-        if not (folder / "tokenizer.json").is_file():
+        config = read_settings(folder)
+        if not _plain_settings(folder, config):
             return None
         backend = Backend.from_file(str(folder / "tokenizer.json"))
-        return cls(folder, settings, backend) if _plain(folder, settings, backend) else None
+        return cls(folder, config, backend) if _plain_backend(config, backend) else None
 
     def _id(self, name: str) -> int | None:
         token = self.special_tokens_map.get(name)

@@ -167,11 +167,11 @@ class CheckpointLM(nn.Module):
         lm = cls(config, _generation_config(folder, config))
         weights = {}
         for path in _weight_files(folder):
-            weights.update({name: tensor.to(device) for name, tensor in mapped(path).items()})
+            weights.update({name: tensor.to(device=device, dtype=dtype) for name, tensor in mapped(path).items()
+                            if not name.endswith(".inv_freq")})
         if "lm_head.weight" not in weights and config.tie_word_embeddings:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        result = lm.load_state_dict({k: v.to(dtype) for k, v in weights.items() if not k.endswith(".inv_freq")},
-                                        strict=False, assign=True)
+        result = lm.load_state_dict(weights, strict=False, assign=True)
         if result.missing_keys or result.unexpected_keys:
             raise ValueError(f"{folder} does not hold a plain {config.model_type} checkpoint: missing "
                              f"{result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}")
