@@ -8,7 +8,7 @@ import torch
 
 from tests.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from workers.model_paths import check_model_path
-from workers.models import _publish, gguf_cache_dir
+from workers.models import _content_digest, _publish, gguf_cache_dir
 
 
 def test_gguf_cache_is_keyed_by_content_not_path_or_mtime(tmp_path, monkeypatch):
@@ -21,6 +21,26 @@ def test_gguf_cache_is_keyed_by_content_not_path_or_mtime(tmp_path, monkeypatch)
     assert gguf_cache_dir(a) == gguf_cache_dir(b)
     assert gguf_cache_dir(a) != gguf_cache_dir(other)
     assert gguf_cache_dir(a).parent == tmp_path / "cache" / "models" and gguf_cache_dir(a).name.startswith("m-")
+
+
+def test_a_files_digest_is_read_once_per_machine_until_the_file_changes(tmp_path, monkeypatch):
+    """The digest is remembered across processes (the in-process cache is cleared here to stand for a new
+    worker), and a rewritten file is hashed again."""
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF first bytes")
+    first = gguf_cache_dir(model)
+    opened = []
+    monkeypatch.setattr("builtins.open", lambda *a, **k: opened.append(a[0]) or open_(*a, **k))
+    _content_digest.cache_clear()
+    assert gguf_cache_dir(model) == first and str(model) not in map(str, opened)
+    model.write_bytes(b"GGUF other bytes")
+    os.utime(model, ns=(1, 1))
+    _content_digest.cache_clear()
+    assert gguf_cache_dir(model) != first and str(model) in map(str, opened)
+
+
+open_ = open
 
 
 def test_missing_models_are_named(tmp_path):

@@ -16,13 +16,12 @@ import os
 import random
 import re
 import time
+import sys
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import aiohttp
-import botocore.exceptions
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
@@ -118,23 +117,21 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def _transient_here(exc: BaseException) -> bool:
-    if isinstance(exc, botocore.exceptions.ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return status >= 500 or status == 429 or exc.response.get("Error", {}).get("Code") in _THROTTLE_CODES
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return exc.status >= 500 or exc.status == 429
-    if isinstance(
-        exc,
-        (
-            ConnectionError,
-            TimeoutError,
-            aiohttp.ClientError,
-            botocore.exceptions.ConnectionError,
-            botocore.exceptions.HTTPClientError,
-        ),
-    ):
-        return True
-    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+    """aiohttp and botocore are read only where s3fs has imported them: an error of theirs cannot exist otherwise,
+    and importing them costs every driver and worker about 0.3 s of start-up on local files."""
+    botocore, aiohttp = sys.modules.get("botocore.exceptions"), sys.modules.get("aiohttp")
+    if botocore is not None:
+        if isinstance(exc, botocore.ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return status >= 500 or status == 429 or exc.response.get("Error", {}).get("Code") in _THROTTLE_CODES
+        if isinstance(exc, (botocore.ConnectionError, botocore.HTTPClientError)):
+            return True
+    if aiohttp is not None:
+        if isinstance(exc, aiohttp.ClientResponseError):
+            return exc.status >= 500 or exc.status == 429
+        if isinstance(exc, aiohttp.ClientError):
+            return True
+    return isinstance(exc, (ConnectionError, TimeoutError)) or (isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS)
 
 
 def _describe(exc: BaseException) -> str:

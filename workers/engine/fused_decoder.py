@@ -2,8 +2,8 @@
 transformers' modules with four matmuls per layer (fused QKV, fused gate/up) and no module overhead.
 
 Decoding at small batch is dominated by per-op overhead and GEMV bandwidth, so fewer, larger matmuls
-against weights laid out for their kernel (workers/engine/linear.py) pay off. The fused weights are this object's own copies: the
-transformers model is left untouched (a caller that keeps only the FusedDecoder frees the originals).
+against weights laid out for their kernel (workers/engine/linear.py) pay off. The fused and laid-out weights are
+this object's own copies (a weight already in its kernel's layout is shared); the model itself is left untouched.
 """
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ SUPPORTED = {"llama", "qwen2"}
 
 
 def _fuse(linears: list[torch.nn.Linear], gemv: bool) -> Linear:
-    """One Linear over the concatenated outputs, with the concatenated bias when every part has one."""
-    weight = torch.cat([m.weight.detach() for m in linears], 0)
+    """One Linear over the concatenated outputs, with the concatenated bias when every part has one (a single part
+    is used as it is: copying it would cost start-up time and memory for nothing)."""
+    def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0].detach() if len(parts) == 1 else torch.cat([p.detach() for p in parts], 0)
+
     biases = [m.bias for m in linears]
-    return Linear.of(weight, torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None, gemv)
+    return Linear.of(joined([m.weight for m in linears]), joined(biases) if all(b is not None for b in biases) else None, gemv)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
