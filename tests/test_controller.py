@@ -391,6 +391,18 @@ def test_cost_model_tries_wider_passes_before_it_has_measured_them():
     assert costs.verify(16, 3) == pytest.approx((0.26 + 0.5) / 2)
 
 
+def test_where_measured_columns_are_cheap_twice_the_widest_width_is_priced_as_the_widest():
+    """A memory-bound pass (a further column under cheap_share of a plain pass) is tried wider before it is
+    assumed to grow; a compute-bound one is extended along its slope."""
+    cheap, dear = CostModel(), CostModel()
+    for width, seconds in ((1, 0.030), (3, 0.036)):
+        cheap.observe(1, width, seconds, width - 1, 0.0)
+    for width, seconds in ((1, 0.08), (2, 0.12)):
+        dear.observe(16, width, seconds, width - 1, 0.0)
+    np.testing.assert_allclose(cheap.verify(1, np.array([3, 5, 6, 8])), [0.036, 0.036, 0.036, 0.042])
+    np.testing.assert_allclose(dear.verify(16, np.array([2, 3, 4])), [0.12, 0.16, 0.20])
+
+
 def test_cost_model_refits_after_new_cells_or_every_few_passes_not_every_pass(monkeypatch):
     """A batch holding one width is priced from the fit at every plan: the fit is redone after a new cell at
     once, and otherwise once `refit_every` passes have moved the means, so its prices follow within that."""

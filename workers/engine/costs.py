@@ -82,7 +82,12 @@ class Shape:
 
 class CostModel:
     """Verify time by (rows, width) from measured cell means, interpolated between measured widths and
-    extended past them along the last measured slope; a least-squares fit t = a + b*n + c*n*w covers
+    extended past them along the last measured slope, except where that measured slope is cheap (a further column
+    costs under `cheap_share` of the narrowest measured pass: a memory-bound pass, such as batch 1 on a CPU
+    or a large model on a GPU): there a pass up to twice the widest measured width is priced as the widest,
+    so a controller tries it and measures the truth instead of assuming it grows (on this repo's CPU a pass
+    of width 1-6 at batch 1 costs about the same, while widths 1 and 3 alone extrapolate to 1.4x at width 6);
+    a least-squares fit t = a + b*n + c*n*w covers
     row counts not measured yet. Until passes of more than one width have been measured, a further column
     is taken to cost `column_share` of a width-1 pass: optimistic (a pass that reads the weights once costs
     little more per column), so a controller whose rows would gain tries a wider pass and measures the truth,
@@ -96,11 +101,12 @@ class CostModel:
     cell, or once `refit_every` passes have moved the cells' means since the last fit (a least-squares fit
     costs about as much as the rest of a plan, and a batch that holds one width asks for it at every plan)."""
 
-    def __init__(self, column_share: float = 0.1, memory: int | None = 20, refit_every: int = 8):
+    def __init__(self, column_share: float = 0.1, memory: int | None = 20, refit_every: int = 8,
+                 cheap_share: float = 0.2):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
         self.memory = math.inf if memory is None else memory
         self.widths: dict[int, list[int]] = {}    # the widths measured at each row count, ascending
-        self.column_share, self.refit_every = column_share, refit_every
+        self.column_share, self.refit_every, self.cheap_share = column_share, refit_every, cheap_share
         self.draft_per_column = 0.0
         self._coef, self._fitted, self._since_fit = np.array([1.0, 0.0, 0.0]), True, 0
 
@@ -150,7 +156,10 @@ class CostModel:
         else:
             low, high = (max(0.0, float((times[j] - times[i]) / (widths[j] - widths[i]))) for i, j in ((0, 1), (-2, -1)))
         t = np.interp(w, widths, times)
-        t = np.where(w > widths[-1], np.maximum(1e-9, times[-1] + high * (w - widths[-1])), t)
+        ahead = w - widths[-1]
+        if len(measured) > 1 and high < self.cheap_share * times[0]:   # a measured slope, and a cheap one
+            ahead = np.maximum(ahead - widths[-1], 0.0)   # flat up to twice the widest measured
+        t = np.where(w > widths[-1], np.maximum(1e-9, times[-1] + high * ahead), t)
         t = np.where(w < widths[0], np.maximum(1e-9, times[0] + low * (w - widths[0])), t)
         return float(t) if t.ndim == 0 else t
 
