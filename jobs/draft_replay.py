@@ -11,7 +11,11 @@ target's compute in every pass (`specbatch plan`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+import numpy as np
+
+from workers.engine.controller import Controller, FixedK, StepRecord
 from workers.engine.drafter import Drafter, Row
 from workers.engine.stats import GenerationStats
 
@@ -23,25 +27,44 @@ def replayable(drafter: Drafter) -> bool:
 
 def replay_fixed_k(drafter: Drafter, prompts: list[list[int]], completions: list[list[int]], k: int,
                    max_new_tokens: int) -> GenerationStats:
-    """The stats of a fixed-k run over the given completions, rows one after another in the order a generator
-    admits them, shortest prompt first (a job-wide drafter sees each earlier row's completion, as it sees
-    rows that retired before); draft_s is the time the drafter spent proposing."""
-    stats = GenerationStats(max_k=k)
+    """The stats of a fixed-k run over the given completions (see `replay`)."""
+    return replay(drafter, FixedK(k), prompts, completions, max_new_tokens)
+
+
+def replay(drafter: Drafter, controller: Controller, prompts: list[list[int]], completions: list[list[int]],
+           max_new_tokens: int, pass_s: Callable[[int], float] | None = None) -> GenerationStats:
+    """The stats of a batch-1 run under `controller` over the given completions, rows one after another in the
+    order a generator admits them, shortest prompt first (a job-wide drafter sees each earlier row's completion,
+    as it sees rows that retired before). As in the generator, a step offered nothing still takes the drafter's
+    free one-token guess for the controller to learn from. draft_s is the time the drafter spent proposing,
+    controller_s the controller's own; with `pass_s` (seconds of a pass of a given width), verify_s is the
+    passes' modelled time, which the controller also observes as each pass's cost."""
+    stats = GenerationStats(max_k=getattr(controller, "max_k", getattr(controller, "k", 0)))
     longest = max((len(p) + len(c) for p, c in zip(prompts, completions)), default=0)
-    drafter.start(1, longest + k + 2)
+    drafter.start(1, longest + stats.max_k + 2)
     for prompt, completion in sorted(zip(prompts, completions), key=lambda pair: len(pair[0])):
         row = Row(list(prompt), len(prompt), seed=0)
         drafter.admit([row], 0, None)
+        controller.admit(0, 1)
         while row.generated < len(completion):
-            t = row.generated
+            t, budget = row.generated, max(0, max_new_tokens - row.generated - 1)
             began = time.perf_counter()
-            proposal = drafter.propose([row], k, [max(0, min(k, max_new_tokens - t - 1))])
-            stats.draft_s += time.perf_counter() - began
+            offer = min(int(controller.choose(1)[0]), budget)
+            chosen = time.perf_counter()
+            proposal = drafter.propose([row], offer or min(1, budget), [offer or min(1, budget)])
+            proposed = time.perf_counter()
             draft = proposal.tokens[0, : int(proposal.lengths[0])].tolist()
             accepted = next((j for j, token in enumerate(draft) if t + j >= len(completion) or token != completion[t + j]),
                             len(draft))
-            stats.record(len(draft), [len(draft)], [accepted])
-            gained = min(accepted + 1, len(completion) - t)
+            width = 1 + len(draft) if offer else 1
+            seconds = pass_s(width) if pass_s else 0.0
+            controller.observe(StepRecord(np.array([offer or min(1, budget)]), np.array([len(draft)]),
+                                          np.array([accepted]), width, proposed - chosen, seconds))
+            stats.controller_s += chosen - began + time.perf_counter() - proposed
+            stats.draft_s += proposed - chosen if offer else 0.0
+            stats.verify_s += seconds
+            stats.record(width - 1, [width - 1], [accepted if offer else 0])
+            gained = min((accepted if offer else 0) + 1, len(completion) - t)
             row.tokens.extend(completion[t : t + gained])
             stats.generated_tokens += gained
         drafter.retire(row)

@@ -46,7 +46,7 @@ class StepCosts:
 def fit_costs(traces: list[Trace]) -> StepCosts:
     """The cost model of a cell: every measured pass's verify seconds by (rows, width), and draft seconds over
     drafted columns."""
-    verify, draft_s, columns = CostModel(memory=None, refit_every=1), 0.0, 0
+    verify, draft_s, columns = CostModel(memory=None, refit_every=1, stale_after=None), 0.0, 0
     for step in (s for trace in traces for s in trace):
         verify.observe(len(step.offered), step.width, step.verify_s, 0, 0.0)
         if step.width > 1:

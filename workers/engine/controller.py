@@ -86,15 +86,22 @@ class AdaptiveK(Controller):
     for a plan every few steps, not every step. Where columns are cheap (a memory-bound pass: batch 1 here, a
     large model on a GPU) a row's acceptance that starts from nearly nothing can grow many-fold in a step, so
     a plan that changed the held offers is followed by a plan every step; once plans keep the held offers
-    (in the bench's batch-1 runs, 93-97 % of them do) the controller plans every `steady_every` steps, its
-    trials again counted together. A plan costs 0.5-1 ms of Python on this CPU, 3-4 % of a batch-1 pass."""
+    (in the bench's batch-1 runs, 93-97 % of them do) the controller coasts on them, twice as many steps after
+    each plan that kept them (1, 3, 7 ... up to `max_coast` - 1 steps between plans), its trials again counted
+    together. A row that accepts over a token more than the plan expected of its offers (summed over the coast)
+    ends the coast at once (a copy span may be starting, and a late start costs several tokens a step), and so
+    does one that falls two passes' worth of tokens short (a span may have ended; noise at a modest expectation
+    rarely goes that far within a coast). A plan costs 1-2 ms of Python within a run on this CPU (its caches
+    cold after a pass), 4-6 % of a batch-1 pass; a coasting step about 0.1 ms. Replayed over greedy completions
+    of the tune half (9 prompts a category, n-gram drafts, today's per-width pass costs), coasting made 0.97x
+    the best fixed k's rate against 0.95x for a plan every step; with the controller's time left out, 0.99x."""
 
     def __init__(self, max_k: int, max_rows: int, costs: CostModel | None = None,
                  prior: tuple[tuple[float, ...], tuple[float, ...]] = DEFAULT_PRIOR,
                  row_decays: tuple[float, ...] = (0.7, 0.98), row_prior_tries: tuple[float, ...] = (0.5, 2.0),
                  chain_tries: float = 4.0, worker_decay: float = 0.99, share: float = 0.01, margin: float = 0.02,
                  explore_every: int = 16, probe_share: float = 0.02, growth: float = 1.2, max_hold: int = 16,
-                 hold_share: float = 0.2, steady_every: int = 3):
+                 hold_share: float = 0.2, max_coast: int = 8):
         self.max_k, self.costs, self.margin = max_k, costs or CostModel(), margin
         self.prior = np.array([[p[min(j, len(p) - 1)] for j in range(max_k)] for p in prior])  # (2, max_k)
         self.explore_every, self.probe_share = explore_every, probe_share
@@ -106,8 +113,10 @@ class AdaptiveK(Controller):
         self.unprobed = 0                         # steps since any row tried position 1
         self.probe_after = explore_every          # unprobed steps before a probe, as of the last plan
         self.hold = 0                             # steps left to hold k = 0 without planning
-        self.steady_every, self.steady = steady_every, 0   # plans in a row that kept the held offers
+        self.max_coast, self.steady = max_coast, 0   # plans in a row that kept the held offers
         self.coast = 0                            # steps left to keep the held offers without planning
+        self.expected = np.zeros((0, max_k))      # (n, max_k): accepted tokens the last plan expected of j offers
+        self.surprise = np.zeros(0)               # (n,): accepted less expected, summed over the coast
         self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (offered, drafted, accepted) per step
         self.confidence = np.array([1.0, 1.0])    # decayed (accepted drafts, summed draft confidence)
         self.stop: DraftStop | None = None
@@ -131,6 +140,8 @@ class AdaptiveK(Controller):
         if self.hold and self.unprobed < self.probe_after and not self.held[:n_rows].any():
             self.hold -= 1
             return np.zeros(n_rows, dtype=int)
+        if n_rows == 1:
+            remaining = None    # a lone row's drain weight is 1 whatever it has left
         if self.coast and remaining is None:
             self.coast -= 1
             return self._probed(self.held[:n_rows].copy())
@@ -146,7 +157,8 @@ class AdaptiveK(Controller):
             if changed:
                 self.held[:n_rows], held_rate = offers, rate
         self.steady = 0 if changed else self.steady + 1
-        self.coast = self.steady_every - 1 if self.steady >= self.steady_every else 0
+        self.coast = min(2 ** max(self.steady - 1, 0), self.max_coast) - 1
+        self.expected, self.surprise = np.cumsum(gain, axis=1), np.zeros(n_rows)
         chosen = self.held[:n_rows].copy()
         self.probe_after = max(self.explore_every, column[0] / base / self.probe_share)
         compute_bound = column[0] >= self.hold_share * base
@@ -176,6 +188,13 @@ class AdaptiveK(Controller):
         self.costs.observe(n, step.width, step.verify_s, step.width - 1, step.draft_s)
         self.pending.append((step.offered, step.drafted, step.accepted))
         self.unprobed = 0 if step.offered.any() else self.unprobed + 1
+        if self.coast:
+            rows = np.arange(n)
+            expected = np.where(step.offered > 0, self.expected[rows, np.maximum(step.offered - 1, 0)], 0.0)
+            self.surprise += step.accepted - expected
+            per_step = np.where(self.held[:n] > 0, self.expected[rows, np.maximum(self.held[:n] - 1, 0)], 0.0)
+            if (self.surprise > 1.0).any() or (self.surprise < -2.0 * (1.0 + per_step)).any():
+                self.coast = 0      # a row gained a token more than the plan expected, or lost two passes' worth
         if step.confidence is not None:
             hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
             tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool)

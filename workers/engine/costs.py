@@ -91,7 +91,10 @@ class CostModel:
     row counts not measured yet. Until passes of more than one width have been measured, a further column
     is taken to cost `column_share` of a width-1 pass: optimistic (a pass that reads the weights once costs
     little more per column), so a controller whose rows would gain tries a wider pass and measures the truth,
-    instead of never leaving k = 0 on a guess. Draft time per drafted column is a running mean. A cell's mean
+    instead of never leaving k = 0 on a guess. A cell not measured in the last `stale_after` passes is left out
+    of the prices and restarted when next measured: a width measured once under a passing load (another job,
+    a test run) would otherwise be priced high for ever by a controller that then never tries it again (seen
+    in a bench run: batch 1 held at k = 0 for ten cells). Draft time per drafted column is a running mean. A cell's mean
     weighs its last `memory` passes or so (older ones fade, so a controller follows the machine's load; the
     bench's trace oracle keeps every pass: None). A test may inject any object with the same observe / verify
     / draft methods (verify taking an array of widths).
@@ -102,8 +105,10 @@ class CostModel:
     costs about as much as the rest of a plan, and a batch that holds one width asks for it at every plan)."""
 
     def __init__(self, column_share: float = 0.1, memory: int | None = 20, refit_every: int = 8,
-                 cheap_share: float = 0.2):
+                 cheap_share: float = 0.2, stale_after: int | None = 256):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
+        self.stale_after, self.passes = stale_after, 0
+        self.seen: dict[tuple[int, int], int] = {}   # the pass at which each cell was last measured
         self.memory = math.inf if memory is None else memory
         self.widths: dict[int, list[int]] = {}    # the widths measured at each row count, ascending
         self.column_share, self.refit_every, self.cheap_share = column_share, refit_every, cheap_share
@@ -114,6 +119,10 @@ class CostModel:
         mean, count = self.cells.get((n, width), (0.0, 0))
         if not count:
             bisect.insort(self.widths.setdefault(n, []), width)
+        elif not self._fresh((n, width)):
+            count = 0    # measured long ago (perhaps under a load since gone): start the cell again
+        self.passes += 1
+        self.seen[(n, width)] = self.passes
         weight = 1.0 / min(count + 1, self.memory)
         self.cells[(n, width)] = (mean + weight * (verify_s - mean), count + 1)
         if columns:
@@ -135,13 +144,18 @@ class CostModel:
             self._coef, self._fitted, self._since_fit = np.maximum(coef, [1e-6, 0.0, 1e-9]), True, 0
         return self._coef
 
+    def _fresh(self, cell: tuple[int, int]) -> bool:
+        return self.stale_after is None or self.passes - self.seen[cell] <= self.stale_after
+
     def _widths_measured(self) -> bool:
-        return len({w for _, w in self.cells}) > 1
+        return len({w for cell in self.cells if self._fresh(cell) for w in cell[1:]}) > 1
 
     def verify(self, n: int, width: int | np.ndarray) -> float | np.ndarray:
         """Seconds of a verify pass of n rows at `width` tokens each (an int, or an array of widths)."""
         w = np.asarray(width, float)
         measured = self.widths.get(n)
+        if measured:   # a controller avoids a width it priced high: its cell, once stale, is not believed
+            measured = [m for m in measured if self._fresh((n, m))] or measured
         if not measured:
             a, b, c = self.coef
             if self._widths_measured():
