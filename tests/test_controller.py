@@ -594,6 +594,7 @@ def test_default_cost_model_learns_synthetic_times():
     trace = simulate(controller, constant(alpha), N, 600, verify, draft, np.random.default_rng(7))
     costs = controller.costs
     assert isinstance(costs, CostModel)
+    costs.stale_after = None   # what the cells learnt, however long ago (a stale cell is not priced: another test)
     for width in (1, 2, 3):
         assert costs.verify(N, width) == pytest.approx(verify(N, width), rel=0.02)
     assert costs.draft(N, 3) == pytest.approx(draft(N, 3), rel=0.02)

@@ -91,7 +91,8 @@ class AdaptiveK(Controller):
     together. A row that accepts over a token more than the plan expected of its offers (summed over the coast)
     ends the coast at once (a copy span may be starting, and a late start costs several tokens a step), and so
     does one that falls two passes' worth of tokens short (a span may have ended; noise at a modest expectation
-    rarely goes that far within a coast). A plan costs 1-2 ms of Python within a run on this CPU (its caches
+    rarely goes that far within a coast); n rows are judged by their sum against sqrt(n) times that, so that
+    one lucky row of sixteen does not end every coast. A plan costs 1-2 ms of Python within a run on this CPU (its caches
     cold after a pass), 4-6 % of a batch-1 pass; a coasting step about 0.1 ms. Replayed over greedy completions
     of the tune half (9 prompts a category, n-gram drafts, today's per-width pass costs), coasting made 0.97x
     the best fixed k's rate against 0.95x for a plan every step; with the controller's time left out, 0.99x."""
@@ -193,8 +194,9 @@ class AdaptiveK(Controller):
             expected = np.where(step.offered > 0, self.expected[rows, np.maximum(step.offered - 1, 0)], 0.0)
             self.surprise += step.accepted - expected
             per_step = np.where(self.held[:n] > 0, self.expected[rows, np.maximum(self.held[:n] - 1, 0)], 0.0)
-            if (self.surprise > 1.0).any() or (self.surprise < -2.0 * (1.0 + per_step)).any():
-                self.coast = 0      # a row gained a token more than the plan expected, or lost two passes' worth
+            total, spread = float(self.surprise.sum()), math.sqrt(n)   # rows' luck adds up as a random walk's
+            if total > spread or total < -2.0 * spread * (1.0 + float(per_step.mean())):
+                self.coast = 0      # the rows gained a token more than the plan expected, or lost two passes' worth
         if step.confidence is not None:
             hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
             tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool)
