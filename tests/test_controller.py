@@ -950,3 +950,19 @@ def test_a_width_measured_long_ago_is_not_believed_and_is_measured_afresh():
     assert costs.verify(1, 2) == pytest.approx(1.1)
     costs.observe(1, 2, 1.2, 1, 0.0)
     assert costs.verify(1, 2) == pytest.approx(1.2)
+
+
+def test_a_batch_that_shrinks_while_the_controller_coasts_ends_the_coast():
+    """The last slot retiring needs no move, so the controller sees fewer rows without being told: it plans afresh
+    instead of comparing the rows with the plan's (a batch-16 bench run failed on it)."""
+    verify, draft = linear(1.0, 0.02), (lambda n, k: 0.001 * k)
+    controller = AdaptiveK(MAX_K, 3, costs=SyntheticCosts(verify, draft))
+    for _ in range(200):
+        offers = controller.choose(3)
+        controller.observe(StepRecord(offers, offers, offers, int(offers.max()) + 1, 0.0, verify(3, int(offers.max()) + 1)))
+        if controller.coast >= 2:
+            break
+    assert controller.coast >= 2
+    offers = controller.choose(2)
+    controller.observe(StepRecord(offers, offers, np.zeros(2, dtype=int), int(offers.max()) + 1, 0.0, 1.0))
+    assert controller.coast == 0 and len(controller.choose(2)) == 2

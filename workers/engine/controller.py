@@ -189,6 +189,8 @@ class AdaptiveK(Controller):
         self.costs.observe(n, step.width, step.verify_s, step.width - 1, step.draft_s)
         self.pending.append((step.offered, step.drafted, step.accepted))
         self.unprobed = 0 if step.offered.any() else self.unprobed + 1
+        if self.coast and n != len(self.surprise):
+            self.coast = 0          # the batch shrank without a move (its last slot retired): plan afresh
         if self.coast:
             rows = np.arange(n)
             expected = np.where(step.offered > 0, self.expected[rows, np.maximum(step.offered - 1, 0)], 0.0)
