@@ -158,7 +158,7 @@ class AdaptiveK(Controller):
             if changed:
                 self.held[:n_rows], held_rate = offers, rate
         self.steady = 0 if changed else self.steady + 1
-        self.coast = min(2 ** max(self.steady - 1, 0), self.max_coast) - 1
+        self.coast = min(2 ** max(self.steady - 1, 0), self.max_coast) - 1 if remaining is None else 0
         self.expected, self.surprise = np.cumsum(gain, axis=1), np.zeros(n_rows)
         chosen = self.held[:n_rows].copy()
         self.probe_after = max(self.explore_every, column[0] / base / self.probe_share)
