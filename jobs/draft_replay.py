@@ -54,8 +54,8 @@ def replay(drafter: Drafter, controller: Controller, prompts: list[list[int]], c
             proposal = drafter.propose([row], offer or min(1, budget), [offer or min(1, budget)])
             proposed = time.perf_counter()
             draft = proposal.tokens[0, : int(proposal.lengths[0])].tolist()
-            accepted = next((j for j, token in enumerate(draft) if t + j >= len(completion) or token != completion[t + j]),
-                            len(draft))
+            accepted = next((j for j, token in enumerate(draft)
+                             if t + j >= len(completion) or token != completion[t + j]), len(draft))
             width = 1 + len(draft) if offer else 1
             seconds = pass_s(width) if pass_s else 0.0
             controller.observe(StepRecord(np.array([offer or min(1, budget)]), np.array([len(draft)]),

@@ -92,8 +92,8 @@ class AdaptiveK(Controller):
     ends the coast at once (a copy span may be starting, and a late start costs several tokens a step), and so
     does one that falls two passes' worth of tokens short (a span may have ended; noise at a modest expectation
     rarely goes that far within a coast); n rows are judged by their sum against sqrt(n) times that, so that
-    one lucky row of sixteen does not end every coast. A plan costs 1-2 ms of Python within a run on this CPU (its caches
-    cold after a pass), 4-6 % of a batch-1 pass; a coasting step about 0.1 ms. Replayed over greedy completions
+    one lucky row of sixteen does not end every coast. A plan costs 1-2 ms of Python within a run on this CPU
+    (its caches cold after a pass), 4-6 % of a batch-1 pass; a coasting step about 0.1 ms. Replayed over greedy completions
     of the tune half (9 prompts a category, n-gram drafts, today's per-width pass costs), coasting made 0.97x
     the best fixed k's rate against 0.95x for a plan every step; with the controller's time left out, 0.99x."""
 
