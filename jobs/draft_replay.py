@@ -50,15 +50,16 @@ def replay(drafter: Drafter, controller: Controller, prompts: list[list[int]], c
             t, budget = row.generated, max(0, max_new_tokens - row.generated - 1)
             began = time.perf_counter()
             offer = min(int(controller.choose(1)[0]), budget)
+            tried = offer or min(1, budget)   # offered nothing: the free one-token guess
             chosen = time.perf_counter()
-            proposal = drafter.propose([row], offer or min(1, budget), [offer or min(1, budget)])
+            proposal = drafter.propose([row], tried, [tried])
             proposed = time.perf_counter()
             draft = proposal.tokens[0, : int(proposal.lengths[0])].tolist()
             accepted = next((j for j, token in enumerate(draft)
                              if t + j >= len(completion) or token != completion[t + j]), len(draft))
             width = 1 + len(draft) if offer else 1
             seconds = pass_s(width) if pass_s else 0.0
-            controller.observe(StepRecord(np.array([offer or min(1, budget)]), np.array([len(draft)]),
+            controller.observe(StepRecord(np.array([tried]), np.array([len(draft)]),
                                           np.array([accepted]), width, proposed - chosen, seconds))
             stats.controller_s += chosen - began + time.perf_counter() - proposed
             stats.draft_s += proposed - chosen if offer else 0.0

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from jobs.bench.timing import timed
+from jobs.bench.passes import _median_time, _our_pass
 from jobs.draft_replay import replay
 from jobs.suite import SPLITS, load_suite
 from pipeline.config_file import load_config
-from workers.engine.cached_lm import CachedLM
 from workers.engine.controller import AdaptiveK, Controller, FixedK
 from workers.engine.costs import CostModel
 from workers.engine.drafter import Drafter
@@ -38,15 +36,8 @@ DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml
 
 
 def pass_costs(target, prompt: list[int], widths: range, repeats: int = 9) -> dict[int, float]:
-    """Median seconds of one batch-1 pass of each width after `prompt`."""
-    lm = CachedLM(target, 1, len(prompt) + max(widths) + 1)
-    lm.prefill([prompt], 0)
-    costs = {}
-    for width in widths:
-        new = torch.tensor([[prompt[-1]] * width])
-        lm.logits(new)   # warm-up: first-call allocations and kernel choice
-        costs[width] = statistics.median(timed(target.device, lambda: lm.logits(new))[1] for _ in range(repeats))
-    return costs
+    """Median seconds of one batch-1 pass of each width after `prompt` (the pass table's own timing)."""
+    return {width: _median_time(target.device, _our_pass(target, [prompt], width), repeats) for width in widths}
 
 
 def rate(make: Callable[[], Controller], drafter: Drafter, rows: list[tuple[list[int], list[int]]], group: int,
@@ -87,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         rows[category] = [(p, list(c.token_ids)) for p, c in zip(ids, done)]
     costs = pass_costs(models.target, rows[next(iter(rows))][0][0], range(1, args.max_k + 2))
     drafter = make_drafter("ngram", models, config.speculation, sampling_params(config))
-    table = {"adaptive": CostModel()}
+    learnt = CostModel()   # adaptive's cost table, kept across groups as a worker keeps it
     systems = {f"k={k}": (lambda k=k: FixedK(k)) for k in map(int, args.ks.split(","))}
-    systems["adaptive"] = lambda: AdaptiveK(args.max_k, 1, costs=table["adaptive"], prior=drafter.acceptance_prior)
+    systems["adaptive"] = lambda: AdaptiveK(args.max_k, 1, costs=learnt, prior=drafter.acceptance_prior)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.split} half, {args.per_category} prompts a category in groups "
           f"of {args.group}, n-gram drafts, {args.max_new_tokens} new tokens; ms per pass by width: "
           + ", ".join(f"{w}: {1e3 * s:.1f}" for w, s in costs.items()))

@@ -93,9 +93,10 @@ class AdaptiveK(Controller):
     does one that falls two passes' worth of tokens short (a span may have ended; noise at a modest expectation
     rarely goes that far within a coast); n rows are judged by their sum against sqrt(n) times that, so that
     one lucky row of sixteen does not end every coast. A plan costs 1-2 ms of Python within a run on this CPU
-    (its caches cold after a pass), 4-6 % of a batch-1 pass; a coasting step about 0.1 ms. Replayed over greedy completions
-    of the tune half (9 prompts a category, n-gram drafts, today's per-width pass costs), coasting made 0.97x
-    the best fixed k's rate against 0.95x for a plan every step; with the controller's time left out, 0.99x."""
+    (its caches cold after a pass), 4-6 % of a batch-1 pass; a coasting step about 0.1 ms. Replayed over greedy
+    completions of the tune half (9 prompts a category, n-gram drafts, per-width pass costs measured on
+    2026-12-07), coasting made 0.97x the best fixed k's rate against 0.95x for a plan every step; with the
+    controller's time left out, 0.99x."""
 
     def __init__(self, max_k: int, max_rows: int, costs: CostModel | None = None,
                  prior: tuple[tuple[float, ...], tuple[float, ...]] = DEFAULT_PRIOR,
@@ -116,7 +117,7 @@ class AdaptiveK(Controller):
         self.hold = 0                             # steps left to hold k = 0 without planning
         self.max_coast, self.steady = max_coast, 0   # plans in a row that kept the held offers
         self.coast = 0                            # steps left to keep the held offers without planning
-        self.expected = np.zeros((0, max_k))      # (n, max_k): accepted tokens the last plan expected of j offers
+        self.expected = np.zeros((0, max_k + 1))  # (n, max_k + 1): accepted tokens the last plan expected of j offers
         self.surprise = np.zeros(0)               # (n,): accepted less expected, summed over the coast
         self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (offered, drafted, accepted) per step
         self.confidence = np.array([1.0, 1.0])    # decayed (accepted drafts, summed draft confidence)
@@ -159,7 +160,8 @@ class AdaptiveK(Controller):
                 self.held[:n_rows], held_rate = offers, rate
         self.steady = 0 if changed else self.steady + 1
         self.coast = min(2 ** max(self.steady - 1, 0), self.max_coast) - 1 if remaining is None else 0
-        self.expected, self.surprise = np.cumsum(gain, axis=1), np.zeros(n_rows)
+        self.expected = np.concatenate([np.zeros((n_rows, 1)), np.cumsum(gain, axis=1)], axis=1)
+        self.surprise = np.zeros(n_rows)
         chosen = self.held[:n_rows].copy()
         self.probe_after = max(self.explore_every, column[0] / base / self.probe_share)
         compute_bound = column[0] >= self.hold_share * base
@@ -193,9 +195,8 @@ class AdaptiveK(Controller):
             self.coast = 0          # the batch shrank without a move (its last slot retired): plan afresh
         if self.coast:
             rows = np.arange(n)
-            expected = np.where(step.offered > 0, self.expected[rows, np.maximum(step.offered - 1, 0)], 0.0)
-            self.surprise += step.accepted - expected
-            per_step = np.where(self.held[:n] > 0, self.expected[rows, np.maximum(self.held[:n] - 1, 0)], 0.0)
+            self.surprise += step.accepted - self.expected[rows, step.offered]
+            per_step = self.expected[rows, self.held[:n]]
             total, spread = float(self.surprise.sum()), math.sqrt(n)   # rows' luck adds up as a random walk's
             if total > spread or total < -2.0 * spread * (1.0 + float(per_step.mean())):
                 self.coast = 0      # the rows gained a token more than the plan expected, or lost two passes' worth

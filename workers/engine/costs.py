@@ -94,8 +94,8 @@ class CostModel:
     instead of never leaving k = 0 on a guess. A cell not measured in the last `stale_after` passes is left out
     of the prices and restarted when next measured: a width measured once under a passing load (another job,
     a test run) would otherwise be priced high for ever by a controller that then never tries it again (seen
-    in a bench run: batch 1 held at k = 0 for ten cells). Draft time per drafted column is a running mean. A cell's mean
-    weighs its last `memory` passes or so (older ones fade, so a controller follows the machine's load; the
+    in a bench run: batch 1 held at k = 0 for ten cells). Draft time per drafted column is a running mean. A
+    cell's mean weighs its last `memory` passes or so (older ones fade, so a controller follows the machine's load; the
     bench's trace oracle keeps every pass: None). A test may inject any object with the same observe / verify
     / draft methods (verify taking an array of widths).
 
@@ -148,7 +148,7 @@ class CostModel:
         return self.stale_after is None or self.passes - self.seen[cell] <= self.stale_after
 
     def _widths_measured(self) -> bool:
-        return len({w for cell in self.cells if self._fresh(cell) for w in cell[1:]}) > 1
+        return len({w for n, w in self.cells if self._fresh((n, w))}) > 1
 
     def verify(self, n: int, width: int | np.ndarray) -> float | np.ndarray:
         """Seconds of a verify pass of n rows at `width` tokens each (an int, or an array of widths)."""
