@@ -78,22 +78,29 @@ class AdaptiveK(Controller):
     one position, so speculation can come back; where such a probe costs much more than a plain pass, less
     often, so that probes take at most `probe_share` of the time.
 
-    Where the batch is compute-bound (a further column costs at least `hold_share` of a plain pass), planning
-    is skipped while it cannot change the plan: when every row holds k = 0 and the gains would have to grow by
-    a factor (`headroom`) before any drafting could pay, the controller holds k = 0 for as many steps as gains
-    growing by `growth` a step would take to get there (at most `max_hold`), and meanwhile only records the
-    steps; their trials are counted together at the next plan (`Estimates.observe`). Such a batch then pays
-    for a plan every few steps, not every step. Where columns are cheap (a memory-bound pass: batch 1 here, a
-    large model on a GPU) a row's acceptance that starts from nearly nothing can grow many-fold in a step, so
-    a plan that changed the held offers is followed by a plan every step; once plans keep the held offers
-    (in the bench's batch-1 runs, 93-97 % of them do) the controller coasts on them, twice as many steps after
-    each plan that kept them (1, 3, 7 ... up to `max_coast` - 1 steps between plans), its trials again counted
-    together. A row that accepts over a token more than the plan expected of its offers (summed over the coast)
-    ends the coast at once (a copy span may be starting, and a late start costs several tokens a step), and so
-    does one that falls two passes' worth of tokens short (a span may have ended; noise at a modest expectation
-    rarely goes that far within a coast); n rows are judged by their sum against sqrt(n) times that, so that
-    one lucky row of sixteen does not end every coast. A plan costs 1-2 ms of Python within a run on this CPU
-    (its caches cold after a pass), 4-6 % of a batch-1 pass; a coasting step about 0.1 ms. Replayed over greedy
+    Between plans the controller coasts: it keeps the held offers and only records the steps, whose trials
+    are counted together at the next plan (`Estimates.observe`). Where columns are cheap (a memory-bound pass:
+    batch 1 here, a large model on a GPU) a row's acceptance that starts from nearly nothing can grow many-fold
+    in a step, so a plan that changed the held offers is followed by a plan every step; once plans keep the
+    held offers (in the bench's batch-1 runs, 93-97 % of them do) it coasts twice as many steps after each plan
+    that kept them (1, 3, 7 ... up to `max_coast` - 1 steps between plans). A batch that drains and drafts
+    plans every step (its rows' drain weights change every step). Where the batch is compute-bound (a further
+    column costs at least `hold_share` of a plain pass), every row holds k = 0 and the gains would have to grow
+    by a factor (`headroom`) before any drafting could pay, it holds k = 0 for `max_hold` steps.
+
+    A coast ends at once when the rows accept over a token more than the plan expected of their offers (summed
+    over the coast: a copy span may be starting, and a late start costs several tokens a step; at k = 0 the
+    shadow guesses are the offers), and, while rows draft, when they fall two passes' worth of tokens short (a
+    span may have ended; noise at a modest expectation rarely goes that far within a coast); n rows are judged
+    by their sum against sqrt(n) times that, so that one lucky row of sixteen does not end every coast, and
+    rows that draft deep against two standard deviations of the tokens the plan expected over the coast, when
+    that is more (a row offered four positions accepts anything from none to four: in a batch-1 run of six
+    tune prompts a one-token rule planned on 45 % of the steps, this one on 35 %). A
+    compute-bound hold also tolerates, per expected token, half the growth that drafting would need: rows
+    doing a little better than the plan's estimates (which lag a change) cannot make drafting pay, and at
+    batch 16 such noise ended most holds within a few steps. A plan costs 1-2 ms of Python within a run on
+    this CPU (its caches cold after a pass: each numpy call then costs 10-20 us, so a coasting step reads
+    Python lists), 4-6 % of a batch-1 pass; a coasting step about 0.05 ms. Replayed over greedy
     completions of the tune half (9 prompts a category, n-gram drafts, per-width pass costs measured on
     2026-12-07), coasting made 0.97x the best fixed k's rate against 0.95x for a plan every step; with the
     controller's time left out, 0.99x."""
@@ -102,23 +109,30 @@ class AdaptiveK(Controller):
                  prior: tuple[tuple[float, ...], tuple[float, ...]] = DEFAULT_PRIOR,
                  row_decays: tuple[float, ...] = (0.7, 0.98), row_prior_tries: tuple[float, ...] = (0.5, 2.0),
                  chain_tries: float = 4.0, worker_decay: float = 0.99, share: float = 0.01, margin: float = 0.02,
-                 explore_every: int = 16, probe_share: float = 0.02, growth: float = 1.2, max_hold: int = 16,
+                 explore_every: int = 16, probe_share: float = 0.02, max_hold: int = 32,
                  hold_share: float = 0.2, max_coast: int = 8):
         self.max_k, self.costs, self.margin = max_k, costs or CostModel(), margin
         self.prior = np.array([[p[min(j, len(p) - 1)] for j in range(max_k)] for p in prior])  # (2, max_k)
         self.explore_every, self.probe_share = explore_every, probe_share
-        self.growth, self.max_hold, self.hold_share = growth, max_hold, hold_share
+        self.max_hold, self.hold_share = max_hold, hold_share
         self.estimates = Estimates(max_rows, max_k, row_decays, row_prior_tries, chain_tries, share,
                                    pooled=(worker_decay, row_prior_tries[-1]))   # the rows', under the worker's
         self.held = np.zeros(max_rows, dtype=int)
         self.widths = np.arange(1, max_k + 2)     # the pass widths priced each step
         self.unprobed = 0                         # steps since any row tried position 1
         self.probe_after = explore_every          # unprobed steps before a probe, as of the last plan
-        self.hold = 0                             # steps left to hold k = 0 without planning
+        self.drafting = False                     # whether any row holds an offer
         self.max_coast, self.steady = max_coast, 0   # plans in a row that kept the held offers
         self.coast = 0                            # steps left to keep the held offers without planning
-        self.expected = np.zeros((0, max_k + 1))  # (n, max_k + 1): accepted tokens the last plan expected of j offers
-        self.surprise = np.zeros(0)               # (n,): accepted less expected, summed over the coast
+        self.rows = 0                             # rows in the batch as of the last plan or admission
+        # per slot, the mean of the tokens the last plan expected a row to accept of j = 0..max_k offers, then
+        # their variance: Python lists, since a coasting step reads a few of them, and after a pass each numpy
+        # call costs 10-20 us (its code has fallen out of the cache)
+        self.expected = [[0.0] * 2 * (max_k + 1) for _ in range(max_rows)]
+        self.per_step = 0.0                       # accepted tokens it expected of the held offers, summed over rows
+        self.surprise = 0.0                       # accepted less expected, summed over rows and the coast
+        self.coasted = self.spread = 0.0          # accepted tokens expected over the coast, and their variance
+        self.tolerance = 0.0                      # surprise tolerated per expected token (a compute-bound hold)
         self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (offered, drafted, accepted) per step
         self.confidence = np.array([1.0, 1.0])    # decayed (accepted drafts, summed draft confidence)
         self.stop: DraftStop | None = None
@@ -139,14 +153,11 @@ class AdaptiveK(Controller):
     def choose(self, n_rows: int, remaining: np.ndarray | None = None) -> np.ndarray:
         if self.max_k == 0:
             return np.zeros(n_rows, dtype=int)
-        if self.hold and self.unprobed < self.probe_after and not self.held[:n_rows].any():
-            self.hold -= 1
-            return np.zeros(n_rows, dtype=int)
         if n_rows == 1:
             remaining = None    # a lone row's drain weight is 1 whatever it has left
-        if self.coast and remaining is None:
+        if self.coast and (remaining is None or not self.drafting):
             self.coast -= 1
-            return self._probed(self.held[:n_rows].copy())
+            return self._probed(self.held[:n_rows].copy() if self.drafting else np.zeros(n_rows, dtype=int))
         gain, reach = self.model(n_rows)
         base, column = self.pass_costs(n_rows)
         weight = None if remaining is None else drain_weights(gain, remaining)
@@ -158,15 +169,14 @@ class AdaptiveK(Controller):
             changed = rate > held_rate * (1 + self.margin)
             if changed:
                 self.held[:n_rows], held_rate = offers, rate
-        self.steady = 0 if changed else self.steady + 1
-        self.coast = min(2 ** max(self.steady - 1, 0), self.max_coast) - 1 if remaining is None else 0
-        self.expected = np.concatenate([np.zeros((n_rows, 1)), np.cumsum(gain, axis=1)], axis=1)
-        self.surprise = np.zeros(n_rows)
         chosen = self.held[:n_rows].copy()
+        self.drafting = bool(chosen.any())
+        self.steady = 0 if changed else self.steady + 1
+        self.coast = self._coast_after_plan(remaining is not None, column[0] >= self.hold_share * base, needed)
+        self.rows, self.expected[:n_rows] = n_rows, _accepted_moments(gain).tolist()
+        self.per_step = sum(row[j] for row, j in zip(self.expected, chosen.tolist()))
+        self.surprise = self.coasted = self.spread = 0.0
         self.probe_after = max(self.explore_every, column[0] / base / self.probe_share)
-        compute_bound = column[0] >= self.hold_share * base
-        self.hold = int(min(self.max_hold, max(0.0, math.log(needed) / math.log(self.growth)))) \
-            if compute_bound and not chosen.any() else 0
         chosen = self._probed(chosen)
         calibration = self.confidence[0] / self.confidence[1]
         self.stop = DraftStop(held_rate * column, calibration, weight)
@@ -175,9 +185,19 @@ class AdaptiveK(Controller):
                       np.round(column, 4), chosen, held_rate)
         return chosen
 
+    def _coast_after_plan(self, draining: bool, compute_bound: bool, needed: float) -> int:
+        """Steps to keep the offers just planned without planning again: twice as many after each plan that
+        kept them (not while a draining batch drafts: its rows' drain weights change every step), and where
+        the batch is compute-bound and holds k = 0 while gains would have to grow `needed`-fold before any
+        drafting paid, `max_hold`; such a hold also tolerates rows beating the plan by half that growth."""
+        coast = 0 if draining and self.drafting else min(2 ** max(self.steady - 1, 0), self.max_coast) - 1
+        held = compute_bound and not self.drafting and needed > 1
+        self.tolerance = (needed - 1) / 2 if held else 0.0
+        return max(coast, self.max_hold) if held else coast
+
     def _probed(self, chosen: np.ndarray) -> np.ndarray:
         """The offers, or one position for every row where nobody has tried one for `probe_after` steps."""
-        if not chosen.any() and self.unprobed >= self.probe_after:
+        if not self.drafting and self.unprobed >= self.probe_after:
             chosen[:] = 1
         return chosen
 
@@ -190,15 +210,18 @@ class AdaptiveK(Controller):
         n = len(step.offered)
         self.costs.observe(n, step.width, step.verify_s, step.width - 1, step.draft_s)
         self.pending.append((step.offered, step.drafted, step.accepted))
-        self.unprobed = 0 if step.offered.any() else self.unprobed + 1
-        if self.coast and n != len(self.surprise):
+        offered = step.offered.tolist()
+        self.unprobed = 0 if any(offered) else self.unprobed + 1
+        if self.coast and self.drafting and n != self.rows:
             self.coast = 0          # the batch shrank without a move (its last slot retired): plan afresh
         if self.coast:
-            rows = np.arange(n)
-            self.surprise += step.accepted - self.expected[rows, step.offered]
-            per_step = self.expected[rows, self.held[:n]]
-            total, spread = float(self.surprise.sum()), math.sqrt(n)   # rows' luck adds up as a random walk's
-            if total > spread or total < -2.0 * spread * (1.0 + float(per_step.mean())):
+            expected = sum(row[j] for row, j in zip(self.expected, offered))
+            self.surprise += sum(step.accepted.tolist()) - expected
+            self.coasted += expected
+            self.spread += sum(row[j + self.max_k + 1] for row, j in zip(self.expected, offered))
+            spread = math.sqrt(n)   # rows' luck adds up as a random walk's
+            if self.surprise > max(spread, 2.0 * math.sqrt(self.spread)) + self.tolerance * self.coasted or \
+                    (self.drafting and self.surprise < -2.0 * (spread + self.per_step / spread)):
                 self.coast = 0      # the rows gained a token more than the plan expected, or lost two passes' worth
         if step.confidence is not None:
             hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
@@ -222,13 +245,29 @@ class AdaptiveK(Controller):
         self.pending.clear()
 
     def admit(self, start: int, count: int) -> None:
-        self.coast = 0
+        """New rows take the held offers' longest and, for the coast's expectations, the other rows' mean; a
+        batch that drafts plans afresh (one that holds k = 0 goes on coasting)."""
+        self.coast = 0 if self.drafting else self.coast
         self._count_pending()
         self.estimates.reset(start, count)
         self.held[start : start + count] = self.held[:start].max(initial=0)
+        width = len(self.expected[0])
+        mean = [sum(column) / start for column in zip(*self.expected[:start])] if start else [0.0] * width
+        self.expected[start : start + count] = [mean] * count
+        self.rows = start + count
 
     def move(self, src: int, dst: int) -> None:
-        self.coast = 0
+        self.coast = 0 if self.drafting else self.coast
         self._count_pending()
         self.estimates.move(src, dst)
-        self.held[dst] = self.held[src]
+        self.held[dst], self.expected[dst] = self.held[src], self.expected[src]
+
+
+def _accepted_moments(gain: np.ndarray) -> np.ndarray:
+    """(n, 2 (max_k + 1)): per row, the mean of the drafts accepted of j = 0..max_k offers, then their variance;
+    gain[r, i - 1] is the probability that at least i are accepted, so E[A] = sum_i gain_i and
+    E[A^2] = sum_i (2i - 1) gain_i."""
+    zero = np.zeros((len(gain), 1))
+    mean = np.concatenate([zero, gain.cumsum(1)], 1)
+    square = np.concatenate([zero, (gain * np.arange(1, 2 * gain.shape[1], 2)).cumsum(1)], 1)
+    return np.concatenate([mean, square - mean * mean], 1)

@@ -84,7 +84,7 @@ def _shadow_step(step: StepRecord, offered: list[int], shadow: Proposal, verdict
     draft (a row with no guess missed, as when drafting)."""
     lens = shadow.lengths.tolist()
     hits = [int(n > 0 and guess[0] == new[0]) for n, guess, new in zip(lens, shadow.tokens.tolist(), verdict.tokens)]
-    return StepRecord(np.array(offered), np.array(lens), np.array(hits), step.width, step.draft_s, step.verify_s)
+    return StepRecord(*np.array([offered, lens, hits]), step.width, step.draft_s, step.verify_s)
 
 
 def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -173,8 +173,8 @@ class SpeculativeGenerator:
         for row, drafted_len, acc in zip(rows, lens, accepted):
             row.target_passes, row.drafted, row.accepted = row.target_passes + 1, row.drafted + drafted_len, row.accepted + acc
         confidence = None if proposal is None or proposal.confidence is None else proposal.confidence.numpy()
-        step = StepRecord(np.array(plan.offered), np.array(lens), np.array(accepted), width + 1, drafted - started,
-                          verified - drafted, confidence)
+        step = StepRecord(*np.array([plan.offered, lens, accepted]), width + 1, drafted - started, verified - drafted,
+                          confidence)
         if steps is not None:
             steps.append(step)
         observing = time.perf_counter()

@@ -105,7 +105,7 @@ def best_offers(gain: np.ndarray, reach: np.ndarray, base: float, column: np.nda
     worth, rows = weight[:, None] * gain, weight.sum()
     offers = np.repeat(np.arange(width + 1)[:, None], n, axis=1)                       # (S, n) uniform starts
     rates, miss = _rates(offers, worth, rows, reach, base, column)
-    for _ in range(rounds):
+    for _ in range(rounds if n > 1 else 0):   # one row's uniform starts are all its offers
         moved = _best_responses(miss, worth, reach, column, rates)
         moved_rates, moved_miss = _rates(moved, worth, rows, reach, base, column)
         better = moved_rates > rates * (1 + 1e-12)
