@@ -119,6 +119,7 @@ class AdaptiveK(Controller):
                                    pooled=(worker_decay, row_prior_tries[-1]))   # the rows', under the worker's
         self.held = np.zeros(max_rows, dtype=int)
         self.widths = np.arange(1, max_k + 2)     # the pass widths priced each step
+        self.every_offer = np.arange(max_k + 1)[:, None]   # one row's offers, each as a batch of one
         self.unprobed = 0                         # steps since any row tried position 1
         self.probe_after = explore_every          # unprobed steps before a probe, as of the last plan
         self.drafting = False                     # whether any row holds an offer
@@ -161,18 +162,21 @@ class AdaptiveK(Controller):
         gain, reach = self.model(n_rows)
         base, column = self.pass_costs(n_rows)
         weight = None if remaining is None else drain_weights(gain, remaining)
-        held_rate = float(pass_rates(self.held[:n_rows], gain, reach, base, column, weight))
-        bound, needed = headroom(gain, reach, base, column, held_rate * (1 + self.margin), weight)
-        changed = False   # offers beating the held ones' rate by the margin differ from them
-        if bound > 0:
-            offers, rate = best_offers(gain, reach, base, column, weight)
-            changed = rate > held_rate * (1 + self.margin)
-            if changed:
-                self.held[:n_rows], held_rate = offers, rate
+        compute_bound = column[0] >= self.hold_share * base
+        if n_rows == 1 and not compute_bound:   # rating each of one row's offers costs less than bounding them
+            rates = pass_rates(self.every_offer, gain, reach, base, column)
+            held_rate, offers, rate, needed = float(rates[self.held[0]]), rates.argmax(keepdims=True), rates.max(), 1.0
+        else:
+            held_rate = float(pass_rates(self.held[:n_rows], gain, reach, base, column, weight))
+            bound, needed = headroom(gain, reach, base, column, held_rate * (1 + self.margin), weight)
+            offers, rate = best_offers(gain, reach, base, column, weight) if bound > 0 else (None, 0.0)
+        changed = rate > held_rate * (1 + self.margin)   # offers beating the held ones' rate by the margin
+        if changed:
+            self.held[:n_rows], held_rate = offers, float(rate)
         chosen = self.held[:n_rows].copy()
         self.drafting = bool(chosen.any())
         self.steady = 0 if changed else self.steady + 1
-        self.coast = self._coast_after_plan(remaining is not None, column[0] >= self.hold_share * base, needed)
+        self.coast = self._coast_after_plan(remaining is not None, compute_bound, needed)
         self.rows, self.expected[:n_rows] = n_rows, _accepted_moments(gain).tolist()
         self.per_step = sum(row[j] for row, j in zip(self.expected, chosen.tolist()))
         self.surprise = self.coasted = self.spread = 0.0
