@@ -22,7 +22,7 @@ from tests.test_generator import MAX_K as GEN_MAX_K
 from tests.test_generator import MAX_NEW as GEN_MAX_NEW
 from tests.pipeline_helpers import make_config
 from tests.tiny_models import OracleDrafter, StubTokenizer, tiny_llama
-from workers.engine.acceptance import Estimates, trials
+from workers.engine.acceptance import ACCEPT, REACH, Estimates, trials
 from workers.engine.controller import AdaptiveK, Controller, FixedK, StepRecord
 from workers.engine.costs import CostModel
 from workers.engine.decoding_model import DecodingModel
@@ -625,6 +625,21 @@ def lifted(hits: np.ndarray, tries: np.ndarray, first: float, chain: float, prio
 def one_step(offered: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Estimates.observe's (hits, tries) of a single step."""
     return tuple(counts[None] for counts in trials(offered, drafted, accepted, MAX_K))
+
+
+def test_trials_count_each_position_as_defined():
+    """Position j is tried for reach when offered and j - 1 was drafted, hit when drafted; tried for acceptance
+    when drafted and j - 1 was accepted, hit when accepted: every (offered, drafted, accepted) of max_k = 3,
+    one at a time and as a batch."""
+    k = 3
+    triples = [(o, d, a) for o in range(k + 1) for d in range(o + 1) for a in range(d + 1)]
+    hits, tries = trials(*np.array(triples).T, k)
+    for (o, d, a), hit, tried in zip(triples, hits, tries):
+        for j in range(1, k + 1):
+            assert tried[REACH, j - 1] == (o >= j and d >= j - 1) and hit[REACH, j - 1] == (o >= j and d >= j)
+            assert tried[ACCEPT, j - 1] == (d >= j and a >= j - 1) and hit[ACCEPT, j - 1] == (d >= j and a >= j)
+        one = trials(np.array(o), np.array(d), np.array(a), k)
+        assert (one[0] == hit).all() and (one[1] == tried).all()
 
 
 def test_levels_chain_the_worker_the_slow_and_the_fast_scale():
