@@ -774,7 +774,7 @@ def test_where_columns_are_cheap_the_controller_plans_every_few_steps_and_never_
     """A memory-bound pass (a further column costs 5 % of a plain one): a row whose drafts are never accepted
     gets a plan at least every `max_coast` steps (every step with max_coast=1), since its acceptance can
     grow many-fold in a step and drafting is nearly free; treated as compute-bound, the same controller holds
-    k = 0 for up to 16 steps at a time."""
+    k = 0 for up to `max_hold` steps at a time."""
     verify, draft = linear(1.0, 0.05), (lambda n, k: 0.0001 * k)
 
     def plans(hold_share: float, max_coast: int) -> list[int]:
@@ -994,8 +994,8 @@ def test_a_width_measured_long_ago_is_not_believed_and_is_measured_afresh():
 
 
 def test_a_batch_that_shrinks_while_the_controller_coasts_ends_the_coast():
-    """The last slot retiring needs no move, so the controller sees fewer rows without being told: it plans afresh
-    instead of comparing the rows with the plan's (a batch-16 bench run failed on it)."""
+    """The last slot retiring needs no move, so the controller sees fewer rows without being told: a batch that
+    drafts plans afresh instead of comparing the rows with the plan's (a batch-16 bench run failed on it)."""
     verify, draft = linear(1.0, 0.02), (lambda n, k: 0.001 * k)
     controller = AdaptiveK(MAX_K, 3, costs=SyntheticCosts(verify, draft))
     for _ in range(200):
