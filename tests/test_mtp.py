@@ -20,7 +20,7 @@ from workers.engine.controller import AdaptiveK, FixedK
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.drafter import NoDrafter
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
-from workers.engine.mtp_drafter import CachedHead, MTPDrafter
+from workers.engine.mtp_drafter import CachedHead, DraftHead, MTPDrafter
 from workers.engine.sampling import SamplingParams
 from workers.mtp_distill import (
     Example,
@@ -119,15 +119,16 @@ def test_head_shares_the_targets_embedding_norm_and_lm_head(target):
 
 
 def test_training_unroll_matches_chained_drafting(target, examples):
-    """Depth 2 of the training unroll is exactly what drafting computes: real entries up to the anchor in
-    the head's cache, then one chained step on the head's own state."""
+    """Depth 2 of the training unroll is exactly what drafting computes (on the fused decoder, through its
+    laid-out weights): real entries up to the anchor in the head's cache, then one chained step on the head's
+    own state."""
     head = new_head(target).eval()
     e, depth = examples[3], 2
     batch = _collate([e], depth, torch.device("cpu"))
     with torch.no_grad():
         states = unroll(head, batch, depth)
     anchor = e.start + 2
-    drafting = CachedHead(head, 1, len(e.tokens) + depth)
+    drafting = CachedHead(DraftHead.prepare(head, DecodingModel.prepare(target)), 1, len(e.tokens) + depth)
     first = drafting.forward(e.hidden[None, : anchor + 1], e.tokens[None, 1 : anchor + 2])
     drafting.advance(torch.tensor([anchor + 1]))
     chained = drafting.forward(first[:, -1:], e.tokens[None, anchor + 2 : anchor + 3])

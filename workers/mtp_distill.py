@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
-from workers.engine.mtp_drafter import CachedHead, draft_rows
+from workers.engine.mtp_drafter import CachedHead, DraftHead
 from workers.mtp_head import HeadSpec, MTPHead
 
 
@@ -354,7 +354,8 @@ def measure_costs(head: MTPHead, target: DecodingModel, rows: int, prompt: int =
     Each is run `warmup` times untimed first (first calls allocate and pick kernels), then timed interleaved."""
     context = prompt + generated // 2
     capacity = context + max_q + 1
-    lm, drafter, rows_t = CachedLM(target, rows, capacity), CachedHead(head, rows, capacity), draft_rows(head, target)
+    draft = DraftHead.prepare(head, target)
+    lm, drafter = CachedLM(target, rows, capacity), CachedHead(draft, rows, capacity)
     hidden = torch.randn(rows, context, head.spec.hidden_size, dtype=drafter.dtype, device=drafter.device)
     ones = torch.ones(rows, context, dtype=torch.long)
 
@@ -370,7 +371,7 @@ def measure_costs(head: MTPHead, target: DecodingModel, rows: int, prompt: int =
         drafter.advance(torch.full((rows,), context))
 
     step_in = (hidden[:, -1:], ones[:, -1:])
-    tasks = {"prefill": prefill, "draft": lambda: head.logits(drafter.forward(*step_in), rows_t).argmax(-1).tolist()}
+    tasks = {"prefill": prefill, "draft": lambda: draft.logits(drafter.forward(*step_in)).argmax(-1).tolist()}
     tasks |= {q: (lambda q=q: lm.logits(torch.ones(rows, q, dtype=torch.long)).argmax(-1).tolist())
               for q in range(1, max_q + 1)}
     times: dict = {name: [] for name in tasks}

@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from workers.engine.checkpoint import CheckpointLM
+from workers.engine.linear import Linear, linear
 from workers.model_paths import HEAD_CONFIG, HEAD_REPORT, HEAD_WEIGHTS, check_head_path, read_head_files
 from workers.storage import join, read_bytes, write_bytes_atomic
 
@@ -114,13 +115,19 @@ class MTPHead(torch.nn.Module):
         """(n, q, d) target (or chained head) states and the tokens that followed them -> the head's own
         states after the target's final norm, whose logits predict the token after `tokens`.
         `mask` is additive (n, 1, q, kv)."""
-        embedded = F.embedding(tokens, self.shared.embed).to(self.proj.weight.dtype)
-        x = self.proj(torch.cat([self.hidden_norm(hidden.to(self.proj.weight.dtype)), self.token_norm(embedded)], -1))
+        x = self.project(hidden, tokens)
         rotary = self.rotary(x, positions)
         for layer in self.layers:
             x = layer(x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
                       position_embeddings=rotary)
         return F.rms_norm(x, (x.shape[-1],), self.shared.norm.to(x.dtype), self.shared.eps)
+
+    def project(self, hidden: torch.Tensor, tokens: torch.Tensor, proj: Linear | None = None) -> torch.Tensor:
+        """The block's input: W [RMSNorm(h); RMSNorm(E(t))] for states (n, q, d) and the tokens after them (n, q);
+        `proj`: W laid out for drafting (mtp_drafter.DraftHead), else the module itself."""
+        embedded = F.embedding(tokens, self.shared.embed).to(self.proj.weight.dtype)
+        x = torch.cat([self.hidden_norm(hidden.to(self.proj.weight.dtype)), self.token_norm(embedded)], -1)
+        return self.proj(x) if proj is None else linear(x, proj)
 
     def head_rows(self) -> torch.Tensor:
         """The LM head rows the draft scores, (V', d): the shared head itself, or a gather of its subset rows."""
@@ -128,7 +135,8 @@ class MTPHead(torch.nn.Module):
 
     def logits(self, states: torch.Tensor, rows_t: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits over the draft vocabulary (V' entries; index i is token vocab_ids[i]) of head or target
-        states; rows_t is head_rows().t(), passed in by callers that keep one (drafting keeps it contiguous)."""
+        states, with autograd (training; drafting uses mtp_drafter.DraftHead); rows_t is head_rows().t(), passed
+        in by callers that keep one."""
         rows_t = self.head_rows().t() if rows_t is None else rows_t
         out = states @ rows_t.to(states.dtype)
         if self.shared.head_bias is not None:

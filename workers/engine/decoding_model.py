@@ -36,7 +36,7 @@ class DecodingModel:
         forces the static-shape step (eager on a CPU: the same path, testable without a GPU); `eager` never.
         `gemv=False`: packed weights only, where a CPU's width-1 kernel choice is already known (kernel_choice.py)."""
         head = model.get_output_embeddings()
-        fused = FusedDecoder(model, compile, gemv) if FusedDecoder.supports(model) else None
+        fused = FusedDecoder.of(model, compile, gemv) if FusedDecoder.supports(model) else None
         if step == "auto":
             step = "captured" if model.device.type == "cuda" else "eager"
         return cls(model.eval(), fused, Linear.of(head.weight, getattr(head, "bias", None), gemv),

@@ -72,12 +72,13 @@ class FusedDecoder:
     (weights are arguments, so every layer shares one graph; shapes are dynamic, so rows, width and
     cache length never recompile) and the elementwise work between matmuls fuses into a few kernels."""
 
-    def __init__(self, model: PreTrainedModel | CheckpointLM, compile: bool = False, gemv: bool = True):
-        cfg, decoder = model.config, model.get_decoder()
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.eps, self.embed, self.norm, self.rotary = cfg.rms_norm_eps, decoder.embed_tokens, decoder.norm.weight, decoder.rotary_emb
+    def __init__(self, layers, *, heads: int, kv_heads: int, eps: float, norm: torch.Tensor, rotary: torch.nn.Module,
+                 embed: torch.nn.Module | None = None, compile: bool = False, gemv: bool = True):
+        """`layers`: transformers-style decoder layers (a model's, or an MTP head's block); `norm` the final norm's
+        weight; `embed` the token embedding (None: the caller feeds hidden states to `run`)."""
+        self.heads, self.kv_heads, self.eps, self.embed, self.norm, self.rotary = heads, kv_heads, eps, embed, norm, rotary
         self.layers = []
-        for layer in decoder.layers:
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(layer.input_layernorm.weight, _fuse([attn.q_proj, attn.k_proj, attn.v_proj], gemv),
                                       _fuse([attn.o_proj], gemv), layer.post_attention_layernorm.weight,
@@ -85,6 +86,13 @@ class FusedDecoder:
         self.compiled = compile
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
         self._before_attention, self._after_attention = wrap(_attention_inputs), wrap(_attention_out_and_mlp)
+
+    @classmethod
+    def of(cls, model: PreTrainedModel | CheckpointLM, compile: bool = False, gemv: bool = True) -> FusedDecoder:
+        cfg, decoder = model.config, model.get_decoder()
+        return cls(decoder.layers, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, eps=cfg.rms_norm_eps,
+                   norm=decoder.norm.weight, rotary=decoder.rotary_emb, embed=decoder.embed_tokens, compile=compile,
+                   gemv=gemv)
 
     def _native_attention(self, h: torch.Tensor, cache: SlotCache) -> bool:
         """Whether this pass's attention runs in one C call per layer (native.decode_attention): a few fp32 rows
@@ -104,7 +112,10 @@ class FusedDecoder:
                  cache: SlotCache) -> torch.Tensor:
         """tokens, positions (n, q); mask (n, 1, q, kv_len) additive, None when every query sees every cached
         position -> final hidden states (n, q, hidden)."""
-        h = self.embed(tokens)
+        return self.run(self.embed(tokens), positions, mask, cache)
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: SlotCache) -> torch.Tensor:
+        """The layers and the final norm over input states h (n, q, hidden), as __call__ over embedded tokens."""
         cos, sin = self.rotary(h, positions)                                      # (n, q, head_dim)
         if self._native_attention(h, cache):
             for index, layer in enumerate(self.layers):
@@ -116,7 +127,7 @@ class FusedDecoder:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         # A prompt fed from an empty cache sees exactly the causal triangle: the kernel then skips the blocks
         # above it instead of reading the mask over all of them (about half of a long prefill's attention).
-        causal = mask is not None and cache.kv_len == tokens.shape[1]
+        causal = mask is not None and cache.kv_len == h.shape[1]
         for index, layer in enumerate(self.layers):
             query, key, value = self._before_attention(h, cos, sin, layer, self.heads, self.kv_heads, self.eps)
             keys, values = cache.update(key, value, index)
