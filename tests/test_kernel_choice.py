@@ -10,6 +10,8 @@ from workers.engine.cached_lm import CachedLM
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.kernel_choice import choose_single_row_kernel, packed_only
 from workers.engine.linear import Linear
+from workers.engine.mtp_drafter import DraftHead
+from workers.mtp_head import HeadSpec, MTPHead
 
 
 def _logits(model: DecodingModel, prompt: list[int]) -> torch.Tensor:
@@ -31,6 +33,10 @@ def test_packed_width_1_pass_matches_the_gemv_pass_and_drops_plain_weights(one_t
     assert packed.head.few_rows is None and all(layer.qkv.few_rows is None for layer in packed.fused.layers)
     torch.testing.assert_close(_logits(packed, prompt), want, rtol=1e-4, atol=1e-4)
     assert model.head.few_rows is not None, "choosing leaves the model it was given untouched"
+    head = MTPHead(HeadSpec.for_target(packed.model, "tiny", draft_vocab=64), packed.model)
+    draft = DraftHead.prepare(head, packed)
+    assert draft.lm_head.few_rows is None and draft.proj.few_rows is None, "a draft head follows the target's choice"
+    assert all(layer.gate_up.few_rows is None for layer in draft.block.layers)
 
 
 def test_a_remembered_choice_is_taken_without_measuring(one_torch_thread, tmp_path, monkeypatch):

@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 @dataclass
 class DraftHead:
     """An MTP head prepared for drafting as DecodingModel prepares the target: its block on the fused decoder and
-    its draft LM head laid out for few-row products. Through transformers' modules and a plain matmul a draft
-    step of SmolLM2-135M's head took 6 ms at 1 row and 19 ms at 4 (a fifth to a third of a target pass)."""
+    its draft LM head laid out for few-row products, with the width-1 kernel the target's measurement chose
+    (kernel_choice.py: no GEMV copies where the target kept none). Through transformers' modules and a plain
+    matmul a draft step of SmolLM2-135M's head took 6 ms at 1 row and 19 ms at 4 (a fifth to a third of a
+    target pass)."""
     head: MTPHead
     proj: Linear
     block: FusedDecoder
@@ -37,15 +39,16 @@ class DraftHead:
     @classmethod
     def prepare(cls, head: MTPHead, target: DecodingModel) -> DraftHead:
         spec, shared, dtype = head.spec.block, head.shared, head.proj.weight.dtype
+        gemv = target.head.few_rows is not None
         block = FusedDecoder(head.layers, heads=spec["num_attention_heads"], kv_heads=spec["num_key_value_heads"],
-                             eps=spec["rms_norm_eps"], norm=shared.norm.to(dtype), rotary=head.rotary)
-        proj = Linear.of(head.proj.weight)
+                             eps=spec["rms_norm_eps"], norm=shared.norm.to(dtype), rotary=head.rotary, gemv=gemv)
+        proj = Linear.of(head.proj.weight, gemv=gemv)
         if head.vocab_ids is None and target.dtype == dtype:
             return cls(head, proj, block, target.head)
         bias = shared.head_bias
         if bias is not None:
             bias = (bias if head.vocab_ids is None else bias[head.vocab_ids]).to(dtype)
-        return cls(head, proj, block, Linear.of(head.head_rows().to(dtype), bias))
+        return cls(head, proj, block, Linear.of(head.head_rows().to(dtype), bias, gemv))
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the draft vocabulary (index i is token vocab_ids[i])."""
