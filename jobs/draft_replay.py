@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from workers.engine.controller import Controller, FixedK, StepRecord
-from workers.engine.drafter import Drafter, Row
+from workers.engine.drafter import Drafter, Row, propose_within
 from workers.engine.stats import GenerationStats
 
 
@@ -52,15 +52,16 @@ def replay(drafter: Drafter, controller: Controller, prompts: list[list[int]], c
             offer = min(int(controller.choose(1)[0]), budget)
             tried = offer or min(1, budget)   # offered nothing: the free one-token guess
             chosen = time.perf_counter()
-            proposal = drafter.propose([row], tried, [tried])
+            proposal = propose_within(drafter, controller.draft_stop() if offer else None, [row], tried, [tried])
             proposed = time.perf_counter()
             draft = proposal.tokens[0, : int(proposal.lengths[0])].tolist()
             accepted = next((j for j, token in enumerate(draft)
                              if t + j >= len(completion) or token != completion[t + j]), len(draft))
             width = 1 + len(draft) if offer else 1
             seconds = pass_s(width) if pass_s else 0.0
-            controller.observe(StepRecord(np.array([tried]), np.array([len(draft)]),
-                                          np.array([accepted]), width, proposed - chosen, seconds))
+            confidence = None if proposal.confidence is None else proposal.confidence.numpy()
+            controller.observe(StepRecord(np.array([tried]), np.array([len(draft)]), np.array([accepted]), width,
+                                          proposed - chosen, seconds, confidence))
             stats.controller_s += chosen - began + time.perf_counter() - proposed
             stats.draft_s += proposed - chosen if offer else 0.0
             stats.verify_s += seconds

@@ -77,10 +77,11 @@ def main(argv: list[str] | None = None) -> None:
         done = generator.generate([Request(str(i), p, 0) for i, p in enumerate(ids)]).completions
         rows[category] = [(p, list(c.token_ids)) for p, c in zip(ids, done)]
     costs = pass_costs(models.target, rows[next(iter(rows))][0][0], range(1, args.max_k + 2))
-    drafter = make_drafter("ngram", models, config.speculation, sampling_params(config))
+    def drafter() -> Drafter:   # a fresh one per system and category: prompt lookup learns its odds as it drafts
+        return make_drafter("ngram", models, config.speculation, sampling_params(config))
     learnt = CostModel()   # adaptive's cost table, kept across groups as a worker keeps it
     systems = {f"k={k}": (lambda k=k: FixedK(k)) for k in map(int, args.ks.split(","))}
-    systems["adaptive"] = lambda: AdaptiveK(args.max_k, 1, costs=learnt, prior=drafter.acceptance_prior)
+    systems["adaptive"] = lambda: AdaptiveK(args.max_k, 1, costs=learnt, prior=drafter().acceptance_prior)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.split} half, {args.per_category} prompts a category in groups "
           f"of {args.group}, n-gram drafts, {args.max_new_tokens} new tokens; ms per pass by width: "
           + ", ".join(f"{w}: {1e3 * s:.1f}" for w, s in costs.items()))
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
           "| controller ms/step |\n|---|---|---:|---:|---:|---:|")
     ratios = []
     for category, category_rows in rows.items():
-        results = {name: rate(make, drafter, category_rows, args.group, costs, args.max_new_tokens,
+        results = {name: rate(make, drafter(), category_rows, args.group, costs, args.max_new_tokens,
                               args.controller_factor) for name, make in systems.items()}
         best = max((name for name in results if name != "adaptive"), key=lambda name: results[name][0])
         adaptive = results["adaptive"]

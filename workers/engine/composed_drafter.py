@@ -62,7 +62,19 @@ class ComposedDrafter(Drafter):
             lengths[take] = p.lengths[take].clamp(max=cap[take])
             source[take] = i
             served.append((p, take))
-        return Proposal(tokens, lengths, _probs(tokens, served), source=source)
+        return Proposal(tokens, lengths, _probs(tokens, served), _confidence(k, served), source=source)
+
+
+def _confidence(k: int, served: list[tuple[Proposal, torch.Tensor]]) -> torch.Tensor | None:
+    """Per-draft confidence when a part that reports it served some row; rows of parts that do not report it
+    get 1 (the stop leaves them as proposed: such a part already ends its drafts by its own measure)."""
+    known = [(p.confidence, take) for p, take in served if p.confidence is not None and bool(take.any())]
+    if not known:
+        return None
+    confidence = torch.ones(len(served[0][1]), k, dtype=torch.float64)
+    for q, take in known:
+        confidence[take, : q.shape[1]] = q[take].double().cpu()
+    return confidence
 
 
 def _probs(tokens: torch.Tensor, served: list[tuple[Proposal, torch.Tensor]]) -> torch.Tensor | None:

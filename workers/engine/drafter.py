@@ -94,6 +94,16 @@ class Drafter:
         raise NotImplementedError
 
 
+def propose_within(drafter: Drafter, stop: DraftStop | None, rows: list[Row], k: int, caps: list[int]) -> Proposal:
+    """The drafter's proposal, ended at the confidence stop: a drafter that drafts position by position ends
+    itself (`limit`), one that reports its confidence is cut after the fact."""
+    drafter.limit(stop)
+    proposal = drafter.propose(rows, k, caps)
+    if stop is not None and proposal.confidence is not None:
+        proposal.lengths = stop.cut(proposal.confidence, proposal.lengths)
+    return proposal
+
+
 class NoDrafter(Drafter):
     """Plain decoding: proposes nothing."""
 

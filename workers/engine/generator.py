@@ -19,7 +19,7 @@ from workers.engine.cached_lm import CachedLM
 from workers.engine.controller import Controller, StepRecord
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.draft_stop import DraftStop
-from workers.engine.drafter import Drafter, Proposal, Row
+from workers.engine.drafter import Drafter, Proposal, Row, propose_within
 from workers.engine.live_batch import LiveBatch
 from workers.engine.sampling import SamplingParams, Verdict, token_logprobs, verify_greedy, verify_sampled
 from workers.engine.stats import GenerationStats
@@ -200,11 +200,7 @@ class SpeculativeGenerator:
         acceptance for free, so the controller knows when speculation would pay again without spending a
         wider verify pass to find out."""
         if plan.width:
-            self.drafter.limit(plan.stop)
-            proposal = self.drafter.propose(rows, plan.width, plan.offered)
-            if plan.stop is not None and proposal.confidence is not None:
-                proposal.lengths = plan.stop.cut(proposal.confidence, proposal.lengths)
-            return proposal, None
+            return propose_within(self.drafter, plan.stop, rows, plan.width, plan.offered), None
         if self.drafter.passes_per_token == 0 and any(plan.shadow):
             return None, self.drafter.propose(rows, 1, plan.shadow)
         return None, None
