@@ -867,6 +867,16 @@ def test_draft_stop_cuts_where_the_offered_rows_expect_less_than_a_column_costs(
     assert weighted.cut(confidence, torch.tensor([4, 4, 4])).tolist() == [2, 2, 2]
 
 
+def test_a_whole_proposal_is_cut_where_its_columns_together_pay_most():
+    """A costly first column (a wider pass changing kernels) is kept when the columns after it make up for it:
+    0.3 - 0.5 < 0, but + 0.27 - 0.05 + 0.243 - 0.05 > 0. A drafter drafting column by column cannot see that."""
+    stop = DraftStop(np.array([0.5, 0.05, 0.05, 0.5]))
+    confidence = torch.tensor([[0.3, 0.9, 0.9, 0.9]])
+    assert stop.cut(confidence, torch.tensor([4])).tolist() == [3]
+    assert stop.cut(confidence, torch.tensor([1])).tolist() == [0]
+    assert not stop.keep(0, torch.tensor([0.3], dtype=torch.float64), torch.tensor([True]))
+
+
 def test_adaptive_k_calibrates_confidence_and_stops_at_its_predicted_rate():
     """The stop's threshold is the held plan's predicted rate times each column's cost, and its calibration
     is accepted drafts per unit of confidence the drafter claimed."""

@@ -10,10 +10,11 @@ import torch
 
 from jobs.draft_replay import replay_fixed_k
 from tests.tiny_models import StubTokenizer, tiny_llama
+from workers.engine.composed_drafter import ComposedDrafter
 from workers.engine.controller import FixedK
 from workers.engine.decoding_model import DecodingModel
 from workers.engine.draft_stop import DraftStop
-from workers.engine.drafter import Row
+from workers.engine.drafter import Drafter, Proposal, Row, pack
 from workers.engine.generator import GenerationSettings, Request, SpeculativeGenerator
 from workers.engine.ngram_drafter import FIRST_POSITION_PRIOR, MatchOdds, NgramDrafter
 
@@ -92,3 +93,24 @@ def test_odds_follow_the_drafts_outcomes_and_a_cut_draft_still_counts():
     drafter.propose([row], 2, [2])
     assert odds.odds(1, 2)[0] > before[0] and odds.odds(1, 2)[1] > before[1]
     assert odds.tries[0][:2] == pytest.approx([2.0, 2.0]) and odds.tries[0][2:] == pytest.approx([1.0, 1.0])
+
+
+class _FirstRowOnly(Drafter):
+    """Proposes 7 7 7 for the first row and nothing else, without a confidence."""
+
+    def propose(self, rows: list[Row], k: int, caps: list[int]) -> Proposal:
+        return pack([[7] * min(k, caps[0])] + [[] for _ in rows[1:]], k)
+
+
+def test_a_composed_drafter_reports_its_parts_confidence_and_the_stop_keeps_rows_of_unknown_confidence():
+    weak = Row([5, 6, 7, 8, 9, 1, 2, 3, 7], 9, seed=0)
+    composed = ComposedDrafter([_FirstRowOnly(), NgramDrafter(3)])
+    composed.start(2, 64)
+    composed.admit([weak, weak], 0, None)
+    proposal = composed.propose([weak, weak], 3, [3, 3])
+    assert proposal.source.tolist() == [0, 1] and proposal.lengths.tolist() == [3, 3]
+    assert torch.isnan(proposal.confidence[0]).all()
+    assert proposal.confidence[1].tolist() == pytest.approx(NgramDrafter(3).odds.odds(1, 3))
+    stop = DraftStop(np.full(3, 0.3))
+    assert stop.cut(proposal.confidence[1:], proposal.lengths[1:]).tolist() == [0]   # the weak match alone: cut
+    assert stop.cut(proposal.confidence, proposal.lengths).tolist() == [3, 3]        # the unknown row holds it

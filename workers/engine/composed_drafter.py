@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.engine.draft_stop import DraftStop
 from workers.engine.drafter import Drafter, Proposal, Row
 
 
@@ -36,6 +37,10 @@ class ComposedDrafter(Drafter):
     def verified(self, rows: list[Row], hidden: torch.Tensor, accepted: torch.Tensor) -> None:
         for d in self.drafters:
             d.verified(rows, hidden, accepted)
+
+    def limit(self, stop: DraftStop | None) -> None:
+        for d in self.drafters:
+            d.limit(stop)
 
     def move(self, src: int, dst: int) -> None:
         for d in self.drafters:
@@ -66,12 +71,13 @@ class ComposedDrafter(Drafter):
 
 
 def _confidence(k: int, served: list[tuple[Proposal, torch.Tensor]]) -> torch.Tensor | None:
-    """Per-draft confidence when a part that reports it served some row; rows of parts that do not report it
-    get 1 (the stop leaves them as proposed: such a part already ends its drafts by its own measure)."""
+    """Per-draft confidence when a part that reports it served some row; NaN (unknown) for rows of parts that do
+    not: the confidence stop keeps those as proposed (such a part ends its drafts by its own measure) and the
+    controller's calibration leaves them out."""
     known = [(p.confidence, take) for p, take in served if p.confidence is not None and bool(take.any())]
     if not known:
         return None
-    confidence = torch.ones(len(served[0][1]), k, dtype=torch.float64)
+    confidence = torch.full((len(served[0][1]), k), float("nan"), dtype=torch.float64)
     for q, take in known:
         confidence[take, : q.shape[1]] = q[take].double().cpu()
     return confidence

@@ -229,7 +229,7 @@ class AdaptiveK(Controller):
                 self.coast = 0      # the rows gained a token more than the plan expected, or lost two passes' worth
         if step.confidence is not None:
             hits, tries = trials(step.offered, step.drafted, step.accepted, self.max_k)
-            tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool)
+            tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool) & ~np.isnan(step.confidence)
             seen = np.array([hits[:, ACCEPT, : step.confidence.shape[1]][tried].sum(), step.confidence[tried].sum()])
             self.confidence = 0.99 * self.confidence + seen
 

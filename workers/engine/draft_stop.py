@@ -7,7 +7,9 @@ acceptance. A verify pass costs its widest row, so a column is paid once for the
 drafted while the rows offered it expect to gain more from it than it costs at the current rate,
 sum_r P_r(j) >= threshold[j] = rate (tokens/s) * seconds the column adds (draft pass + verify width).
 This is the goodput rule of DISCO (Mamou et al. 2024) and of vLLM's draft-length policy, summed over
-the batch because the batch shares the pass. While the batch drains, each row's P_r(j) counts by the
+the batch because the batch shares the pass. A drafter that reports a whole proposal's confidence at once
+(prompt lookup) is cut at the width whose columns together pay the most, so a costly first column can be
+paid for by the ones after it. While the batch drains, each row's P_r(j) counts by the
 row's weight (workers/engine/offers.py: drain_weights), the same worth the rate was computed in.
 """
 from __future__ import annotations
@@ -25,20 +27,35 @@ class DraftStop:
     weight: np.ndarray | None = None  # (n,): each row's worth, as in the rate (None: 1 each)
 
     def reach(self, before: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
-        """P_r(j) from P_r(j - 1) and this column's confidence q_r(j) (both (n,))."""
-        return before * (confidence.double() * self.calibration).clamp(max=1.0)
+        """P_r(j) from P_r(j - 1) and this column's confidence q_r(j) (both (n,)); an unknown (NaN) confidence
+        counts as sure (a composed drafter's part that does not report it ends its own drafts)."""
+        return before * torch.nan_to_num(confidence.double() * self.calibration, nan=1.0).clamp(max=1.0)
+
+    def worth(self, reach: torch.Tensor, offered: torch.Tensor) -> float:
+        """The expected accepted tokens a column adds: the offered rows' P_r(column), each by its weight."""
+        worth = reach if self.weight is None else reach * torch.from_numpy(self.weight)
+        return float(worth[offered].sum())
 
     def keep(self, column: int, reach: torch.Tensor, offered: torch.Tensor) -> bool:
-        """Whether column `column` (0-based) is drafted, given each row's P_r(column) and whether it is offered."""
-        worth = reach if self.weight is None else reach * torch.from_numpy(self.weight)
-        return column < len(self.threshold) and float(worth[offered].sum()) >= self.threshold[column]
+        """Whether column `column` (0-based) is drafted, given each row's P_r(column) and whether it is offered:
+        a drafter that drafts column by column cannot see the columns after it, so a column must pay alone."""
+        return column < len(self.threshold) and self.worth(reach, offered) >= self.threshold[column]
 
     def cut(self, confidence: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Draft lengths (n,) after the stop, for a proposal's per-position confidence (n, k)."""
+        """Draft lengths (n,) after the stop, for a proposal's per-position confidence (n, k): the width whose
+        columns together add the most expected tokens net of their cost. With the whole proposal at hand, a
+        column that does not pay alone is kept when those after it make up for it: a pass's first column may
+        cost several later ones (on this repo's CPU a width-1 pass runs a GEMV kernel and a wider one does not),
+        and a short match whose first token is a long shot may go on to copy a span."""
         reach = torch.ones(len(lengths), dtype=torch.float64)
-        for column in range(confidence.shape[1]):
+        net = best = 0.0
+        width = 0
+        for column in range(min(confidence.shape[1], len(self.threshold))):
             offered = lengths > column
+            if not offered.any():
+                break
             reach = self.reach(reach, confidence[:, column].cpu())
-            if not offered.any() or not self.keep(column, reach, offered):
-                return lengths.clamp(max=column)
-        return lengths
+            net += self.worth(reach, offered) - self.threshold[column]
+            if net > best:
+                best, width = net, column + 1
+        return lengths.clamp(max=width)
