@@ -47,15 +47,21 @@ class DraftStop:
         column that does not pay alone is kept when those after it make up for it: a pass's first column may
         cost several later ones (on this repo's CPU a width-1 pass runs a GEMV kernel and a wider one does not),
         and a short match whose first token is a long shot may go on to copy a span."""
-        reach = torch.ones(len(lengths), dtype=torch.float64)
+        rows, lens = confidence.tolist(), lengths.tolist()   # a few numbers: plain Python beats a tensor op each
+        weight = [1.0] * len(lens) if self.weight is None else self.weight.tolist()
+        reach, kappa = [1.0] * len(lens), self.calibration
         net = best = 0.0
         width = 0
-        for column in range(min(confidence.shape[1], len(self.threshold))):
-            offered = lengths > column
-            if not offered.any():
+        for column, threshold in enumerate(self.threshold[: confidence.shape[1]].tolist()):
+            worth, offered = 0.0, False
+            for r, row in enumerate(rows):
+                if lens[r] > column:
+                    q = row[column]
+                    reach[r] *= 1.0 if q != q else min(1.0, kappa * q)   # NaN (unknown) counts as sure
+                    worth, offered = worth + weight[r] * reach[r], True
+            if not offered:
                 break
-            reach = self.reach(reach, confidence[:, column].cpu())
-            net += self.worth(reach, offered) - self.threshold[column]
+            net += worth - threshold
             if net > best:
                 best, width = net, column + 1
         return lengths.clamp(max=width)
