@@ -27,19 +27,14 @@ class DraftStop:
     weight: np.ndarray | None = None  # (n,): each row's worth, as in the rate (None: 1 each)
 
     def reach(self, before: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
-        """P_r(j) from P_r(j - 1) and this column's confidence q_r(j) (both (n,)); an unknown (NaN) confidence
-        counts as sure (a composed drafter's part that does not report it ends its own drafts)."""
-        return before * torch.nan_to_num(confidence.double() * self.calibration, nan=1.0).clamp(max=1.0)
-
-    def worth(self, reach: torch.Tensor, offered: torch.Tensor) -> float:
-        """The expected accepted tokens a column adds: the offered rows' P_r(column), each by its weight."""
-        worth = reach if self.weight is None else reach * torch.from_numpy(self.weight)
-        return float(worth[offered].sum())
+        """P_r(j) from P_r(j - 1) and this column's confidence q_r(j) (both (n,))."""
+        return before * (confidence.double() * self.calibration).clamp(max=1.0)
 
     def keep(self, column: int, reach: torch.Tensor, offered: torch.Tensor) -> bool:
         """Whether column `column` (0-based) is drafted, given each row's P_r(column) and whether it is offered:
         a drafter that drafts column by column cannot see the columns after it, so a column must pay alone."""
-        return column < len(self.threshold) and self.worth(reach, offered) >= self.threshold[column]
+        worth = reach if self.weight is None else reach * torch.from_numpy(self.weight)
+        return column < len(self.threshold) and float(worth[offered].sum()) >= self.threshold[column]
 
     def cut(self, confidence: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Draft lengths (n,) after the stop, for a proposal's per-position confidence (n, k): the width whose
