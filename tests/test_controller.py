@@ -391,6 +391,39 @@ def test_cost_model_tries_wider_passes_before_it_has_measured_them():
     assert costs.verify(16, 3) == pytest.approx((0.26 + 0.5) / 2)
 
 
+def test_before_wider_passes_are_measured_columns_are_priced_by_the_roofline_of_the_prefills():
+    """Reading the weights takes 20 ms (floor_s) and a prefill computed 1000 tokens in 2 s: 2 ms a token. A
+    batch of one computes 9 tokens in less than the read, so a width-9 pass costs a width-1 pass; a batch of 16
+    is compute-bound at width 1, so each column costs another 16 tokens' compute (32 ms), before any wider pass
+    was measured, and from the first plan, before any pass was."""
+    costs = CostModel(floor_s=0.020)
+    costs.observe_prefill(30, 0.035)        # shorter than twice the read: says nothing of the compute rate
+    assert costs.token_s is None
+    costs.observe_prefill(1000, 2.0)
+    np.testing.assert_allclose(costs.verify(16, np.array([1, 2, 3])), [0.032, 0.064, 0.096])
+    np.testing.assert_allclose(costs.verify(1, np.array([1, 9, 12])), [0.020, 0.020, 0.024])
+    costs.observe(16, 1, 0.050, 0, 0.0)     # a measured width-1 pass: the roofline prices its columns only
+    np.testing.assert_allclose(costs.verify(16, np.array([1, 3])), [0.050, 0.050 + 2 * 0.032])
+    costs.observe(1, 1, 0.025, 0, 0.0)
+    np.testing.assert_allclose(costs.verify(1, np.array([9, 12])), [0.025, 0.029])
+    without = CostModel(column_share=0.1)   # no floor measured (a GPU): the optimistic share
+    without.observe_prefill(1000, 2.0)
+    without.observe(16, 1, 0.050, 0, 0.0)
+    assert without.verify(16, 3) == pytest.approx(0.060)
+
+
+@pytest.mark.parametrize("rows, drafts", [(16, False), (1, True)])
+def test_a_cold_controller_drafts_at_its_first_plan_only_where_the_prefills_roofline_says_columns_are_cheap(rows, drafts):
+    """A worker's first plan, with nothing measured but the weights' read (20 ms) and its prefill (2 ms a
+    token): 16 rows hold k = 0 (a column costs a whole pass), where the optimistic share drafted every row
+    (a width-4 pass, 2.5x a plain one, seen at a cold bench start); one row drafts."""
+    costs = CostModel(floor_s=0.020)
+    controller = AdaptiveK(8, rows, costs=costs, prior=COPY_PRIOR)
+    controller.prefilled(1000, 2.0)
+    assert controller.choose(rows).any() == drafts
+    assert AdaptiveK(8, rows, costs=CostModel(), prior=COPY_PRIOR).choose(rows).all()
+
+
 def test_where_measured_columns_are_cheap_twice_the_widest_width_is_priced_as_the_widest():
     """A memory-bound pass (a further column under cheap_share of a plain pass) is tried wider before it is
     assumed to grow; a compute-bound one is extended along its slope."""

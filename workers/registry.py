@@ -100,10 +100,12 @@ def load_models(config: JobConfig, device: torch.device, transformers_model: boo
     remembered = cache_root() / "kernel-choice.json"
     known = remembered_timings(source, remembered) if device.type == "cpu" else None
     target = DecodingModel.prepare(source, compile=m.compile, step=m.step, gemv=not (known and packed_wins(known)))
+    timings = None
     if device.type == "cpu":
         target, timings = choose_single_row_kernel(target, remembered=remembered)
         log.info("width-1 pass: %s", timings or known)
-    models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code, transformers_model))
+    models = Models(target, load_tokenizer(m.target, options, m.trust_remote_code, transformers_model),
+                    costs=CostModel(floor_s=1e-3 * min(timings.values()) if timings else None))
     loaders = [DRAFTERS[name].load_draft for name in m.drafters if DRAFTERS[name].load_draft is not None]
     if loaders:  # model.draft names one set of weights: at most one drafter kind reads it
         models.draft = loaders[0](config, models, device)

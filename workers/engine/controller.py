@@ -53,6 +53,9 @@ class Controller:
     def observe(self, step: StepRecord) -> None:
         """What the step that used the chosen offers did."""
 
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """Admitting rows computed `tokens` prompt tokens in `seconds`."""
+
     def admit(self, start: int, count: int) -> None:
         """`count` new rows enter slots start.."""
 
@@ -100,7 +103,8 @@ class AdaptiveK(Controller):
     doing a little better than the plan's estimates (which lag a change) cannot make drafting pay, and at
     batch 16 such noise ended most holds within a few steps. A plan costs 1-2 ms of Python within a run on
     this CPU (its caches cold after a pass: each numpy call then costs 10-20 us, so a coasting step reads
-    Python lists), 4-6 % of a batch-1 pass; a coasting step about 0.05 ms. Replayed over greedy
+    Python lists, and sums the plan's expectations once per offer pattern: a coast repeats one), 4-6 % of a
+    batch-1 pass; a coasting step about 0.03 ms. Replayed over greedy
     completions of the tune half (9 prompts a category, n-gram drafts, per-width pass costs measured on
     2026-12-07), coasting made 0.97x the best fixed k's rate against 0.95x for a plan every step; with the
     controller's time left out, 0.99x."""
@@ -134,6 +138,7 @@ class AdaptiveK(Controller):
         self.surprise = 0.0                       # accepted less expected, summed over rows and the coast
         self.coasted = self.spread = 0.0          # accepted tokens expected over the coast, and their variance
         self.tolerance = 0.0                      # surprise tolerated per expected token (a compute-bound hold)
+        self._coasting: dict[tuple[int, ...], tuple[float, float]] = {}   # _moments' memo since the last plan
         self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (offered, drafted, accepted) per step
         self.confidence = np.array([1.0, 1.0])    # decayed (accepted drafts, summed draft confidence)
         self.stop: DraftStop | None = None
@@ -178,7 +183,8 @@ class AdaptiveK(Controller):
         self.steady = 0 if changed else self.steady + 1
         self.coast = self._coast_after_plan(remaining is not None, compute_bound, needed)
         self.rows, self.expected[:n_rows] = n_rows, _accepted_moments(gain).tolist()
-        self.per_step = sum(row[j] for row, j in zip(self.expected, chosen.tolist()))
+        self._coasting = {}
+        self.per_step = self._moments(chosen.tolist())[0]
         self.surprise = self.coasted = self.spread = 0.0
         self.probe_after = max(self.explore_every, column[0] / base / self.probe_share)
         chosen = self._probed(chosen)
@@ -219,10 +225,10 @@ class AdaptiveK(Controller):
         if self.coast and self.drafting and n != self.rows:
             self.coast = 0          # the batch shrank without a move (its last slot retired): plan afresh
         if self.coast:
-            expected = sum(row[j] for row, j in zip(self.expected, offered))
+            expected, variance = self._moments(offered)
             self.surprise += sum(step.accepted.tolist()) - expected
             self.coasted += expected
-            self.spread += sum(row[j + self.max_k + 1] for row, j in zip(self.expected, offered))
+            self.spread += variance
             spread = math.sqrt(n)   # rows' luck adds up as a random walk's
             if self.surprise > max(spread, 2.0 * math.sqrt(self.spread)) + self.tolerance * self.coasted or \
                     (self.drafting and self.surprise < -2.0 * (spread + self.per_step / spread)):
@@ -232,6 +238,17 @@ class AdaptiveK(Controller):
             tried = tries[:, ACCEPT, : step.confidence.shape[1]].astype(bool) & ~np.isnan(step.confidence)
             seen = np.array([hits[:, ACCEPT, : step.confidence.shape[1]][tried].sum(), step.confidence[tried].sum()])
             self.confidence = 0.99 * self.confidence + seen
+
+    def _moments(self, offered: list[int]) -> tuple[float, float]:
+        """The mean and variance of the tokens the last plan expected the rows to accept of these offers,
+        summed over rows: remembered per offer pattern, as a coast repeats one (the held offers, or at k = 0
+        the shadow guesses) step after step."""
+        key = tuple(offered)
+        moments = self._coasting.get(key)
+        if moments is None:
+            moments = self._coasting[key] = (sum(row[j] for row, j in zip(self.expected, offered)),
+                                             sum(row[j + self.max_k + 1] for row, j in zip(self.expected, offered)))
+        return moments
 
     def _count_pending(self) -> None:
         """Count the steps recorded since the last plan into the estimates, all at once."""
@@ -248,6 +265,9 @@ class AdaptiveK(Controller):
         self.estimates.observe(*trials(*record, self.max_k), self.prior)
         self.pending.clear()
 
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        self.costs.observe_prefill(tokens, seconds)
+
     def admit(self, start: int, count: int) -> None:
         """New rows take the held offers' longest and, for the coast's expectations, the other rows' mean; a
         batch that drafts plans afresh (one that holds k = 0 goes on coasting)."""
@@ -258,6 +278,7 @@ class AdaptiveK(Controller):
         width = len(self.expected[0])
         mean = [sum(column) / start for column in zip(*self.expected[:start])] if start else [0.0] * width
         self.expected[start : start + count] = [mean] * count
+        self._coasting = {}
         self.rows = start + count
 
     def move(self, src: int, dst: int) -> None:
@@ -265,6 +286,7 @@ class AdaptiveK(Controller):
         self._count_pending()
         self.estimates.move(src, dst)
         self.held[dst], self.expected[dst] = self.held[src], self.expected[src]
+        self._coasting = {}
 
 
 def _accepted_moments(gain: np.ndarray) -> np.ndarray:

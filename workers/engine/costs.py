@@ -88,10 +88,15 @@ class CostModel:
     so a controller tries it and measures the truth instead of assuming it grows (on this repo's CPU a pass
     of width 1-6 at batch 1 costs about the same, while widths 1 and 3 alone extrapolate to 1.4x at width 6);
     a least-squares fit t = a + b*n + c*n*w covers
-    row counts not measured yet. Until passes of more than one width have been measured, a further column
-    is taken to cost `column_share` of a width-1 pass: optimistic (a pass that reads the weights once costs
-    little more per column), so a controller whose rows would gain tries a wider pass and measures the truth,
-    instead of never leaving k = 0 on a guess. A cell not measured in the last `stale_after` passes is left out
+    row counts not measured yet. Until passes of more than one width have been measured, further columns are
+    priced by the roofline of the device at hand: a pass takes the longer of reading the weights (`floor_s`, a
+    one-row width-1 pass, measured when the model loads) and computing its rows x width tokens (`token_s`,
+    seconds per token measured on the prefills that compute took longer than that read), so a batch of one
+    drafts nearly free while a batch whose width-1 pass is already compute-bound (16 rows on a 2-core CPU) is
+    known to pay a full column from its first plan, before a probe costs it a wide pass. Without those
+    measurements a further column is taken to cost `column_share` of a width-1 pass: optimistic, so a
+    controller whose rows would gain tries a wider pass and measures the truth, instead of never leaving
+    k = 0 on a guess. A cell not measured in the last `stale_after` passes is left out
     of the prices and restarted when next measured: a width measured once under a passing load (another job,
     a test run) would otherwise be priced high for ever by a controller that then never tries it again (seen
     in a bench run: batch 1 held at k = 0 for ten cells). Draft time per drafted column is a running mean. A
@@ -105,7 +110,7 @@ class CostModel:
     costs about as much as the rest of a plan, and a batch that holds one width asks for it at every plan)."""
 
     def __init__(self, column_share: float = 0.1, memory: int | None = 20, refit_every: int = 8,
-                 cheap_share: float = 0.2, stale_after: int | None = 256):
+                 cheap_share: float = 0.2, stale_after: int | None = 256, floor_s: float | None = None):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
         self.stale_after, self.passes = stale_after, 0
         self.seen: dict[tuple[int, int], int] = {}   # the pass at which each cell was last measured
@@ -113,6 +118,7 @@ class CostModel:
         self.widths: dict[int, list[int]] = {}    # the widths measured at each row count, ascending
         self.column_share, self.refit_every, self.cheap_share = column_share, refit_every, cheap_share
         self.draft_per_column = 0.0
+        self.floor_s, self._prefilled = floor_s, [0.0, 0.0]   # decayed (tokens, seconds) of compute-bound prefills
         self._coef, self._fitted, self._since_fit = np.array([1.0, 0.0, 0.0]), True, 0
 
     def observe(self, n: int, width: int, verify_s: float, columns: int, draft_s: float) -> None:
@@ -130,6 +136,25 @@ class CostModel:
         self._since_fit += 1
         if not count or self._since_fit >= self.refit_every:
             self._fitted = len(self.cells) < 2
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill of `tokens` computed tokens: its seconds per token, where computing them took longer than
+        reading the weights (a shorter one says only that a token costs less than floor_s / tokens)."""
+        if self.floor_s is not None and tokens and seconds >= 2 * self.floor_s:
+            self._prefilled = [0.9 * self._prefilled[0] + tokens, 0.9 * self._prefilled[1] + seconds]
+
+    @property
+    def token_s(self) -> float | None:
+        """Compute seconds per token, from the prefills (None until one was compute-bound)."""
+        return self._prefilled[1] / self._prefilled[0] if self._prefilled[0] else None
+
+    def _columns(self, n: int, w: np.ndarray, width_1_s: float) -> np.ndarray:
+        """Seconds a pass of n rows at width w takes beyond one at width 1, before wider passes were measured:
+        the roofline, max(reading the weights, computing n x w tokens), less its value at width 1."""
+        token_s = self.token_s
+        if token_s is None:
+            return self.column_share * width_1_s * (w - 1)
+        return np.maximum(self.floor_s, n * w * token_s) - max(self.floor_s, n * token_s)
 
     @property
     def coef(self) -> np.ndarray:
@@ -156,17 +181,23 @@ class CostModel:
         measured = self.widths.get(n)
         if measured:   # a controller avoids a width it priced high: its cell, once stale, is not believed
             measured = [m for m in measured if self._fresh((n, m))] or measured
+        if not self.cells and self.token_s is not None:   # nothing measured but the roofline's two rates
+            t = np.maximum(self.floor_s, n * w * self.token_s)
+            return float(t) if t.ndim == 0 else t
         if not measured:
             a, b, c = self.coef
             if self._widths_measured():
                 t = a + b * n + c * n * w
             else:
-                t = (a + b * n + c * n) * (1.0 + self.column_share * (w - 1))
+                t = a + b * n + c * n + self._columns(n, w, a + b * n + c * n)
             return float(t) if t.ndim == 0 else t
         widths = np.array(measured, float)
         times = np.array([self.cells[(n, m)][0] for m in measured])
+        if len(measured) == 1 and not self._widths_measured():
+            t = times[0] + self._columns(n, w, times[0]) - self._columns(n, widths[0], times[0])
+            return float(t) if t.ndim == 0 else t
         if len(measured) == 1:
-            low = high = self.coef[2] * n if self._widths_measured() else self.column_share * times[0] / widths[0]
+            low = high = self.coef[2] * n
         else:
             low, high = (max(0.0, float((times[j] - times[i]) / (widths[j] - widths[i]))) for i, j in ((0, 1), (-2, -1)))
         t = np.interp(w, widths, times)

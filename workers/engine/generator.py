@@ -146,11 +146,13 @@ class SpeculativeGenerator:
         waiting = deque(sorted(runnable, key=lambda item: len(item[1].prompt_ids)))
         while waiting or batch:
             if waiting and len(batch) < slots:
-                started = time.perf_counter()
+                started, computed = time.perf_counter(), batch.target.computed_tokens
                 admitted = [waiting.popleft() for _ in range(min(slots - len(batch), len(waiting)))]
                 batch.admit([(i, Row(list(r.prompt_ids), len(r.prompt_ids), r.seed)) for i, r in admitted])
                 stats.prompt_tokens += sum(len(r.prompt_ids) for _, r in admitted)
-                stats.prefill_s += time.perf_counter() - started
+                seconds = time.perf_counter() - started
+                stats.prefill_s += seconds
+                self.controller.prefilled(batch.target.computed_tokens - computed, seconds)
             self._step(batch, results, stats, steps, draining=not waiting)
         stats.prefilled_tokens = batch.target.computed_tokens
 
