@@ -938,6 +938,26 @@ def test_adaptive_k_calibrates_confidence_and_stops_at_its_predicted_rate():
     assert stop.threshold == pytest.approx(rate * column)
 
 
+def test_calibration_counts_the_positions_the_target_judged_as_the_trials_define_them():
+    """Drafts cut short, rejected early, or reported without confidence (NaN): each step's calibration counts,
+    of the ACCEPT trials (workers/engine/acceptance.py: trials), the hits and the confidence claimed."""
+    n, rng = 6, np.random.default_rng(7)
+    controller = AdaptiveK(MAX_K, n, costs=CostModel())
+    expected = np.array([1.0, 1.0])
+    for _ in range(50):
+        offered = rng.integers(0, MAX_K + 1, n)
+        drafted = rng.integers(0, offered + 1)
+        accepted = rng.integers(0, drafted + 1)
+        width = int(drafted.max())
+        confidence = rng.random((n, width))
+        confidence[rng.random((n, width)) < 0.2] = np.nan
+        controller.observe(StepRecord(offered, drafted, accepted, width + 1, 0.0, 0.01, confidence))
+        hits, tries = trials(offered, drafted, accepted, MAX_K)
+        judged = tries[:, ACCEPT, :width].astype(bool) & ~np.isnan(confidence)
+        expected = 0.99 * expected + [hits[:, ACCEPT, :width][judged].sum(), confidence[judged].sum()]
+    assert controller.confidence == pytest.approx(tuple(expected))
+
+
 class Staggered(Controller):
     """Offers that differ per row and change every step, 0..max_k, as a per-row controller may."""
 
