@@ -439,6 +439,10 @@ def test_where_measured_columns_are_cheap_twice_the_widest_width_is_priced_as_th
     np.testing.assert_allclose(cheap.verify(1, np.array([1, 2, 3])), [0.030, 0.030, 0.036])
     dear.observe(16, 4, 0.20, 3, 0.0)
     np.testing.assert_allclose(dear.verify(16, np.array([2, 3, 4])), [0.12, 0.16, 0.20])
+    model = CostModel(explore=False)   # a model of passes already run (the oracle) tries nothing: it interpolates
+    for width, seconds in ((1, 0.030), (3, 0.036)):
+        model.observe(1, width, seconds, width - 1, 0.0)
+    np.testing.assert_allclose(model.verify(1, np.array([2, 5])), [0.033, 0.042])
 
 
 def test_cost_model_refits_after_new_cells_or_every_few_passes_not_every_pass(monkeypatch):

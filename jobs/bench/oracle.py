@@ -3,7 +3,7 @@
 Every run of this generator in a cell keeps a trace (generate(trace=True)): per step, each row's offered,
 drafted and accepted positions, the pass width and the measured draft and verify seconds. All of a
 cell's traces fit one cost model: verify seconds by (rows, width) (workers/engine/costs.py's CostModel,
-every pass of a cell averaged) and draft seconds per drafted column. A run's modelled rate is its
+every pass of a cell averaged, unmeasured widths interpolated: not priced low to get them tried) and draft seconds per drafted column. A run's modelled rate is its
 steps' tokens (accepted drafts + 1 per row) over their modelled seconds: every run in one currency,
 without the noise of single passes, and without the machine's speed drifting between runs. The run's own
 controller seconds (measured) are added: they are what adaptive k pays that fixed k does not.
@@ -46,7 +46,7 @@ class StepCosts:
 def fit_costs(traces: list[Trace]) -> StepCosts:
     """The cost model of a cell: every measured pass's verify seconds by (rows, width), and draft seconds over
     drafted columns."""
-    verify, draft_s, columns = CostModel(memory=None, refit_every=1, stale_after=None), 0.0, 0
+    verify, draft_s, columns = CostModel(memory=None, refit_every=1, stale_after=None, explore=False), 0.0, 0
     for step in (s for trace in traces for s in trace):
         verify.observe(len(step.offered), step.width, step.verify_s, 0, 0.0)
         if step.width > 1:

@@ -88,7 +88,8 @@ class CostModel:
     and one between two measured widths as the cheaper of them, so a controller tries it and measures the
     truth instead of assuming it grows (on this repo's CPU a pass of width 1-6 at batch 1 costs about the
     same, while widths 1 and 3 alone extrapolate to 1.4x at width 6; on an AVX2 one a width-5 pass cost 25.0
-    ms against 25.7 at width 4, and a controller that had measured widths 4 and 9 never tried 5);
+    ms against 25.7 at width 4, and a controller that had measured widths 4 and 9 never tried 5; `explore=False`
+    interpolates instead, for a model of passes already run, such as the bench's trace oracle);
     a least-squares fit t = a + b*n + c*n*w covers
     row counts not measured yet. Until passes of more than one width have been measured, further columns are
     priced by the roofline of the device at hand: a pass takes the longer of reading the weights (`floor_s`, a
@@ -112,13 +113,15 @@ class CostModel:
     costs about as much as the rest of a plan, and a batch that holds one width asks for it at every plan)."""
 
     def __init__(self, column_share: float = 0.1, memory: int | None = 20, refit_every: int = 8,
-                 cheap_share: float = 0.2, stale_after: int | None = 256, floor_s: float | None = None):
+                 cheap_share: float = 0.2, stale_after: int | None = 256, floor_s: float | None = None,
+                 explore: bool = True):
         self.cells: dict[tuple[int, int], tuple[float, int]] = {}
         self.stale_after, self.passes = stale_after, 0
         self.seen: dict[tuple[int, int], int] = {}   # the pass at which each cell was last measured
         self.memory = math.inf if memory is None else memory
         self.widths: dict[int, list[int]] = {}    # the widths measured at each row count, ascending
         self.column_share, self.refit_every, self.cheap_share = column_share, refit_every, cheap_share
+        self.explore = explore   # price unmeasured widths where cheap slopes say so to get them tried (a controller)
         self.draft_per_column = 0.0
         self.floor_s, self._prefilled = floor_s, [0.0, 0.0]   # decayed (tokens, seconds) of compute-bound prefills
         self._coef, self._fitted, self._since_fit = np.array([1.0, 0.0, 0.0]), True, 0
@@ -204,7 +207,7 @@ class CostModel:
             low, high = (max(0.0, float((times[j] - times[i]) / (widths[j] - widths[i]))) for i, j in ((0, 1), (-2, -1)))
         t = np.interp(w, *self._grid(measured, times.tolist()))
         ahead = w - widths[-1]
-        if len(measured) > 1 and high < self.cheap_share * times[0]:   # a measured slope, and a cheap one
+        if self.explore and len(measured) > 1 and high < self.cheap_share * times[0]:   # a measured slope, and a cheap one
             ahead = np.maximum(ahead - widths[-1], 0.0)   # flat up to twice the widest measured
         t = np.where(w > widths[-1], np.maximum(1e-9, times[-1] + high * ahead), t)
         t = np.where(w < widths[0], np.maximum(1e-9, times[0] + low * (w - widths[0])), t)
@@ -216,7 +219,7 @@ class CostModel:
         widths are tried. In plain Python: a handful of points, where each numpy call costs 10-20 us in a run."""
         xs, ys = [float(widths[0])], [times[0]]
         for (w0, t0), (w1, t1) in zip(zip(widths, times), zip(widths[1:], times[1:])):
-            if w1 - w0 > 1 and (t1 - t0) / (w1 - w0) < self.cheap_share * times[0]:
+            if self.explore and w1 - w0 > 1 and (t1 - t0) / (w1 - w0) < self.cheap_share * times[0]:
                 xs += [w0 + 0.5, w1 - 0.5]
                 ys += [min(t0, t1)] * 2
             xs.append(float(w1))
