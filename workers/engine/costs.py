@@ -153,13 +153,16 @@ class CostModel:
         """Compute seconds per token, from the prefills (None until one was compute-bound)."""
         return self._prefilled[1] / self._prefilled[0] if self._prefilled[0] else None
 
+    def _roofline(self, n: int, w: np.ndarray | int) -> np.ndarray:
+        """A pass of n rows at width w: the longer of reading the weights and computing n x w tokens."""
+        return np.maximum(self.floor_s, n * w * self.token_s)
+
     def _columns(self, n: int, w: np.ndarray, width_1_s: float) -> np.ndarray:
         """Seconds a pass of n rows at width w takes beyond one at width 1, before wider passes were measured:
-        the roofline, max(reading the weights, computing n x w tokens), less its value at width 1."""
-        token_s = self.token_s
-        if token_s is None:
+        the roofline's difference, or without its rates `column_share` of a width-1 pass per column."""
+        if self.token_s is None:
             return self.column_share * width_1_s * (w - 1)
-        return np.maximum(self.floor_s, n * w * token_s) - max(self.floor_s, n * token_s)
+        return self._roofline(n, w) - self._roofline(n, 1)
 
     @property
     def coef(self) -> np.ndarray:
@@ -187,7 +190,7 @@ class CostModel:
         if measured:   # a controller avoids a width it priced high: its cell, once stale, is not believed
             measured = [m for m in measured if self._fresh((n, m))] or measured
         if not self.cells and self.token_s is not None:   # nothing measured but the roofline's two rates
-            t = np.maximum(self.floor_s, n * w * self.token_s)
+            t = self._roofline(n, w)
             return float(t) if t.ndim == 0 else t
         if not measured:
             a, b, c = self.coef
